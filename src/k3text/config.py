@@ -1,0 +1,634 @@
+"""Configuration: YAML files with `base_config` inheritance, `key=value` overrides, one frozen,
+validated `Config`.
+
+Every key is declared once, with its default and comment, in `configs/base.yml`; its type is the
+type of that default. Loading order (later wins):
+
+    base.yml  ->  model file named by `model_config:`  ->  the config file chain (base_config)
+    ->  the model config stored with `load_parameters_path` (model keys only)  ->  command line
+
+A checkpoint's own model config replaces the model keys a config file named by default; a model
+key given explicitly on the command line that disagrees with the checkpoint is an error.
+
+Structure derived from the model keys (layer types, dense layers, the scanned layer groups,
+AttnRes block count) is computed once here, in `ModelStructure`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+BASE_CONFIG = CONFIG_DIR / "base.yml"
+CHECKPOINT_MODEL_FILE = "model.yml"
+
+# Keys describing the network itself (what a checkpoint fixes). Everything else is how to run it.
+MODEL_KEYS = frozenset(
+    """model_name vocab_size hidden_size num_hidden_layers intermediate_size first_k_dense_replace
+    moe_layer_freq num_attention_heads num_key_value_heads q_lora_rank kv_lora_rank
+    qk_nope_head_dim qk_rope_head_dim v_head_dim mla_use_nope mla_use_output_gate
+    linear_attn_config.kda_layers linear_attn_config.full_attn_layers linear_attn_config.num_heads
+    linear_attn_config.head_dim linear_attn_config.short_conv_kernel_size
+    linear_attn_config.gate_lower_bound linear_attn_config.use_full_rank_gate num_experts
+    num_experts_per_token num_shared_experts moe_intermediate_size routed_expert_hidden_size
+    latent_moe_use_norm moe_renormalize routed_scaling_factor use_grouped_topk num_expert_group
+    topk_group topk_method moe_router_activation_func hidden_act activation_situ_beta
+    activation_situ_linear_beta attn_res_block_size rms_norm_eps tie_word_embeddings bos_token_id
+    eos_token_id pad_token_id expert_weight_format""".split()
+)
+
+MESH_AXES = ("data", "expert", "tensor")
+
+_CHOICES = {
+    "hidden_act": ("silu", "situ"),
+    "topk_method": ("noaux_tc",),
+    "moe_router_activation_func": ("sigmoid",),
+    "weight_dtype": ("bfloat16", "float32"),
+    "dtype": ("bfloat16", "float32"),
+    "expert_weight_format": ("bf16", "mxfp4"),
+    "matmul_precision": ("default", "high", "highest"),
+    "moe_ep_mode": ("local", "all_to_all"),
+    "moe_a2a_transport": ("auto", "ragged", "padded"),
+    "mla_cache_dtype": ("float32", "bfloat16", "float8_e4m3fn"),
+    "decode_sampling_strategy": ("greedy", "weighted", "topk", "nucleus", "composite"),
+    "tokenizer_type": ("none", "byte", "tiktoken"),
+    "jax_cpu_collectives": ("gloo", "mpi", "none"),
+    "corpus": ("facts",),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported in one line naming the key and the values."""
+
+
+# --------------------------------------------------------------------------------------------
+# Flat dotted-key dictionaries.
+# --------------------------------------------------------------------------------------------
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        # logical_axis_rules is a mapping value, not a section of keys.
+        if isinstance(value, Mapping) and name != "logical_axis_rules":
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+@functools.cache
+def base_defaults() -> dict[str, Any]:
+    """The flat {dotted key: default} table of configs/base.yml."""
+    return _flatten(_read_yaml(BASE_CONFIG))
+
+
+def _file_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
+    """[(file, flat keys)] from the root of the base_config chain down to `path`."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"base_config cycle: {' -> '.join(str(p) for p in (*seen, path))}")
+    flat = _flatten(_read_yaml(path))
+    parent = flat.pop("base_config", None)
+    chain = []
+    if parent:
+        parent_path = Path(parent)
+        if not parent_path.is_absolute():
+            parent_path = path.parent / parent_path
+        if parent_path.resolve() != BASE_CONFIG:
+            chain = _file_chain(parent_path, (*seen, path))
+    return [*chain, (path, flat)]
+
+
+# --------------------------------------------------------------------------------------------
+# Type checking against the defaults.
+# --------------------------------------------------------------------------------------------
+
+
+def _unknown_key_message(key: str, where: str) -> str:
+    close = difflib.get_close_matches(key, base_defaults().keys(), n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"unknown config key '{key}' in {where}{hint}"
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def _coerce(key: str, value: Any, where: str) -> Any:
+    """Check `value` against the default's type; convert lossless cases (int -> float)."""
+    default = base_defaults()[key]
+    bad = ConfigError(
+        f"config key '{key}' in {where} must be {_type_name(default)}, got {value!r} "
+        f"({_type_name(value)})"
+    )
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if isinstance(default, str):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # e.g. prompt_ids=7 from the command line
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if isinstance(default, list):
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise ConfigError(
+                f"config key '{key}' in {where} must be a list of int, got {value!r}"
+            )
+        return tuple(value)
+    if key == "logical_axis_rules":
+        if not isinstance(value, Mapping):
+            raise bad
+        rules = {}
+        for name, axes in value.items():
+            axes = [] if axes is None else axes
+            axes = [axes] if isinstance(axes, str) else axes
+            if not isinstance(axes, list) or any(a not in MESH_AXES for a in axes):
+                raise ConfigError(
+                    f"logical_axis_rules.{name} in {where} must list mesh axes from "
+                    f"{list(MESH_AXES)}, got {value[name]!r}"
+                )
+            rules[name] = tuple(axes)
+        return rules
+    raise AssertionError(f"base.yml default of {key} has unsupported type")  # pragma: no cover
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"command-line override '{item}' is not of the form key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if key not in base_defaults():
+        raise ConfigError(_unknown_key_message(key, "the command line"))
+    if isinstance(base_defaults()[key], str):
+        return key, raw  # strings verbatim: prompt=123 stays "123"
+    try:
+        return key, yaml.safe_load(raw)
+    except yaml.YAMLError:
+        raise ConfigError(f"command-line value for '{key}' is not valid: {raw!r}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# The frozen config object.
+# --------------------------------------------------------------------------------------------
+
+
+class _Section:
+    """Read-only attribute view of the keys under one dotted prefix."""
+
+    def __init__(self, values: Mapping[str, Any], prefix: str):
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_prefix", prefix)
+
+    def __getattr__(self, name: str) -> Any:
+        key = self._prefix + name
+        if key in self._values:
+            return self._values[key]
+        if any(k.startswith(key + ".") for k in self._values):
+            return _Section(self._values, key + ".")
+        raise AttributeError(f"config has no key '{key}'")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Config is frozen; use Config.replace(...)")
+
+
+class Config(_Section):
+    """One validated configuration. Attribute access (`cfg.linear_attn_config.num_heads`),
+    `cfg[key]` for dotted keys, `cfg.replace(key=value)` for a modified copy."""
+
+    def __init__(self, values: Mapping[str, Any], explicit: Iterable[str] = ()):
+        super().__init__(dict(values), "")
+        object.__setattr__(self, "explicit_keys", frozenset(explicit))
+        _validate(self)
+        object.__setattr__(self, "structure", ModelStructure.from_config(self))
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def model_dict(self) -> dict[str, Any]:
+        """The model keys as a nested YAML-ready mapping (what a checkpoint stores)."""
+        nested: dict[str, Any] = {}
+        for key in sorted(MODEL_KEYS):
+            *parents, leaf = key.split(".")
+            node = nested
+            for p in parents:
+                node = node.setdefault(p, {})
+            value = self._values[key]
+            node[leaf] = list(value) if isinstance(value, tuple) else value
+        return nested
+
+    def replace(self, **updates: Any) -> Config:
+        """A new validated Config with `updates` (dotted keys via `**{'a.b': v}`)."""
+        values = dict(self._values)
+        for key, value in updates.items():
+            if key not in values:
+                raise ConfigError(_unknown_key_message(key, "replace()"))
+            values[key] = _coerce(key, value, "replace()")
+        return Config(values, self.explicit_keys | set(updates))
+
+    # Convenience views used across the stack.
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Global size of each mesh axis (ici x dcn)."""
+        return {
+            axis: self[f"ici_{axis}_parallelism"] * self[f"dcn_{axis}_parallelism"]
+            for axis in MESH_AXES
+        }
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh_shape.values())
+
+    def axis_size(self, logical: str) -> int:
+        """How many ways the logical axis `logical` is split on the configured mesh."""
+        axes = self.logical_axis_rules.get(logical, ())
+        return math.prod(self.mesh_shape[a] for a in axes)
+
+    @property
+    def num_kda_heads(self) -> int:
+        return self.linear_attn_config.num_heads
+
+    @property
+    def kda_head_dim(self) -> int:
+        return self.linear_attn_config.head_dim
+
+    @property
+    def mla_latent_dim(self) -> int:
+        """Width of one cached MLA token: c_kv || k_r."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def moe_hidden_size(self) -> int:
+        """Width the routed experts act on: the LatentMoE latent, or the hidden size."""
+        return self.routed_expert_hidden_size or self.hidden_size
+
+    @property
+    def global_batch_size(self) -> int:
+        return max(1, int(self.per_device_batch_size * self.mesh_shape["data"]))
+
+
+# --------------------------------------------------------------------------------------------
+# Derived structure.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What one decoder layer is: its mixer and its MLP kind."""
+
+    mixer: str  # "kda" | "mla"
+    mlp: str  # "dense" | "moe"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanPlan:
+    """Layers [0, lead) and [lead + period * num_groups, L) run unrolled; the `num_groups`
+    repeats of the `period`-layer group in between run as one scan over stacked parameters."""
+
+    lead: int
+    period: int
+    num_groups: int
+    trail: int
+
+    @property
+    def scanned_layers(self) -> range:
+        return range(self.lead, self.lead + self.period * self.num_groups)
+
+
+def find_scan_plan(layers: Sequence[LayerSpec], min_groups: int = 2) -> ScanPlan:
+    """The repeating group covering the most layers.
+
+    Ties go to the shorter period, then to groups aligned with layer 0 (start % period == 0),
+    then to the earlier start. K3 ([KDA(dense) KDA KDA MLA] + 22 x [KDA KDA KDA MLA] + [MLA])
+    gives lead 4, period 4, 22 groups, trail 1. Fewer than `min_groups` repeats: no scan.
+    """
+    n = len(layers)
+    best, best_key = ScanPlan(lead=n, period=0, num_groups=0, trail=0), None
+    for period in range(1, n // min_groups + 1):
+        for start in range(0, n - period * min_groups + 1):
+            unit = layers[start : start + period]
+            count = 1
+            while layers[start + count * period : start + (count + 1) * period] == unit:
+                count += 1
+            if count < min_groups:
+                continue
+            key = (count * period, -period, start % period == 0, -start)
+            if best_key is None or key > best_key:
+                best_key = key
+                best = ScanPlan(start, period, count, n - start - count * period)
+    return best
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStructure:
+    """Per-layer structure derived once from the model keys."""
+
+    layers: tuple[LayerSpec, ...]
+    scan: ScanPlan
+    kda_index: tuple[int, ...]  # layer -> ordinal among KDA layers (-1 for MLA)
+    mla_index: tuple[int, ...]  # layer -> ordinal among MLA layers (-1 for KDA)
+    attn_res_blocks: int  # AttnRes buffer size (blocks opened over the whole depth); 0 = off
+
+    @property
+    def num_kda(self) -> int:
+        return sum(spec.mixer == "kda" for spec in self.layers)
+
+    @property
+    def num_mla(self) -> int:
+        return sum(spec.mixer == "mla" for spec in self.layers)
+
+    @staticmethod
+    def from_config(cfg: Config, scan: bool | None = None) -> ModelStructure:
+        n = cfg.num_hidden_layers
+        mla = {i - 1 for i in cfg.linear_attn_config.full_attn_layers}
+        layers = []
+        for i in range(n):
+            is_moe = (
+                cfg.num_experts > 0
+                and i >= cfg.first_k_dense_replace
+                and i % cfg.moe_layer_freq == 0
+            )
+            layers.append(LayerSpec("mla" if i in mla else "kda", "moe" if is_moe else "dense"))
+        layers = tuple(layers)
+        use_scan = cfg.scan_layers if scan is None else scan
+        plan = find_scan_plan(layers) if use_scan else ScanPlan(n, 0, 0, 0)
+        kda_index, mla_index, counts = [], [], {"kda": 0, "mla": 0}
+        for spec in layers:
+            kda_index.append(counts["kda"] if spec.mixer == "kda" else -1)
+            mla_index.append(counts["mla"] if spec.mixer == "mla" else -1)
+            counts[spec.mixer] += 1
+        block = cfg.attn_res_block_size
+        blocks = -(-n // block) if block else 0
+        return ModelStructure(layers, plan, tuple(kda_index), tuple(mla_index), blocks)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation.
+# --------------------------------------------------------------------------------------------
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _validate(cfg: Config) -> None:
+    for key, allowed in _CHOICES.items():
+        _require(
+            cfg[key] in allowed,
+            f"config key '{key}' must be one of {list(allowed)}, got {cfg[key]!r}",
+        )
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "kv_lora_rank",
+                "qk_nope_head_dim", "v_head_dim", "num_attention_heads",
+                "linear_attn_config.num_heads", "linear_attn_config.head_dim",
+                "linear_attn_config.short_conv_kernel_size", "kda_chunk_size",
+                "prefill_chunk_size", "max_target_length", "max_prefill_predict_length"):
+        _require(cfg[key] > 0, f"config key '{key}' must be positive, got {cfg[key]}")
+    for axis in MESH_AXES:
+        for kind in ("ici", "dcn"):
+            key = f"{kind}_{axis}_parallelism"
+            _require(cfg[key] >= 1, f"config key '{key}' must be >= 1, got {cfg[key]}")
+
+    n = cfg.num_hidden_layers
+    lin = cfg.linear_attn_config
+    full = list(lin.full_attn_layers)
+    for name, ids in (("full_attn_layers", full), ("kda_layers", list(lin.kda_layers))):
+        bad = [i for i in ids if not 1 <= i <= n]
+        _require(
+            not bad,
+            f"linear_attn_config.{name} {bad} out of range: layers are 1-indexed, "
+            f"num_hidden_layers is {n}",
+        )
+        _require(len(set(ids)) == len(ids), f"linear_attn_config.{name} repeats a layer: {ids}")
+    if lin.kda_layers:
+        both = sorted(set(full) & set(lin.kda_layers))
+        _require(not both, f"layers {both} are in both kda_layers and full_attn_layers")
+        missing = sorted(set(range(1, n + 1)) - set(full) - set(lin.kda_layers))
+        _require(
+            not missing,
+            f"layers {missing} are in neither linear_attn_config.kda_layers nor full_attn_layers",
+        )
+
+    _require(
+        cfg.num_key_value_heads == cfg.num_attention_heads,
+        f"num_key_value_heads ({cfg.num_key_value_heads}) must equal num_attention_heads "
+        f"({cfg.num_attention_heads}): MLA shares one latent across heads",
+    )
+    _require(cfg.mla_use_nope, "mla_use_nope=false (rotary MLA) is not supported by Kimi models")
+    if cfg.hidden_act == "situ":
+        _require(
+            cfg.activation_situ_beta > 0,
+            "hidden_act is situ but activation_situ_beta is not set (K3 uses 4.0)",
+        )
+    if lin.gate_lower_bound:
+        _require(lin.gate_lower_bound < 0,
+                 f"linear_attn_config.gate_lower_bound must be negative, got "
+                 f"{lin.gate_lower_bound}")
+    if cfg.num_experts:
+        _require(
+            0 < cfg.num_experts_per_token <= cfg.num_experts,
+            f"num_experts_per_token ({cfg.num_experts_per_token}) must be in "
+            f"[1, num_experts={cfg.num_experts}]",
+        )
+        _require(cfg.moe_layer_freq >= 1, f"moe_layer_freq must be >= 1, got {cfg.moe_layer_freq}")
+        _require(
+            cfg.num_experts % cfg.num_expert_group == 0,
+            f"num_experts ({cfg.num_experts}) must divide into num_expert_group "
+            f"({cfg.num_expert_group}) groups",
+        )
+        _require(
+            1 <= cfg.topk_group <= cfg.num_expert_group,
+            f"topk_group ({cfg.topk_group}) must be in [1, num_expert_group="
+            f"{cfg.num_expert_group}]",
+        )
+        per_group = cfg.num_experts // cfg.num_expert_group
+        _require(
+            cfg.num_expert_group == 1 or per_group >= 2,
+            f"grouped top-k scores groups by their top-2 experts: num_experts/num_expert_group "
+            f"= {per_group} is too small",
+        )
+        _require(
+            cfg.topk_group * per_group >= cfg.num_experts_per_token,
+            f"topk_group ({cfg.topk_group}) groups of {per_group} experts cannot supply "
+            f"num_experts_per_token={cfg.num_experts_per_token}",
+        )
+        _require(cfg.moe_intermediate_size > 0,
+                 "moe_intermediate_size must be positive when num_experts > 0")
+    if cfg.expert_weight_format == "mxfp4":
+        for key, value in (("moe_intermediate_size", cfg.moe_intermediate_size),
+                           ("routed_expert_hidden_size / hidden_size", cfg.moe_hidden_size)):
+            _require(value % 32 == 0,
+                     f"expert_weight_format mxfp4 packs 32-element blocks: {key} = {value} "
+                     f"is not a multiple of 32")
+    _require(
+        cfg.prefill_chunk_size % cfg.kda_chunk_size == 0,
+        f"prefill_chunk_size ({cfg.prefill_chunk_size}) must be a multiple of kda_chunk_size "
+        f"({cfg.kda_chunk_size})",
+    )
+    _require(
+        cfg.max_prefill_predict_length <= cfg.max_target_length,
+        f"max_prefill_predict_length ({cfg.max_prefill_predict_length}) exceeds "
+        f"max_target_length ({cfg.max_target_length})",
+    )
+    _require(cfg.decode_sampling_temperature > 0,
+             f"decode_sampling_temperature must be > 0, got {cfg.decode_sampling_temperature}")
+    _require(0 < cfg.decode_sampling_nucleus_p <= 1,
+             f"decode_sampling_nucleus_p must be in (0, 1], got {cfg.decode_sampling_nucleus_p}")
+    _require(cfg.decode_sampling_top_k >= 0,
+             f"decode_sampling_top_k must be >= 0, got {cfg.decode_sampling_top_k}")
+    if cfg.decode_sampling_strategy in ("topk", "composite"):
+        _require(cfg.decode_sampling_top_k > 0,
+                 f"decode_sampling_strategy={cfg.decode_sampling_strategy} needs "
+                 f"decode_sampling_top_k > 0")
+    _validate_divisibility(cfg)
+
+
+def divisibility_table(cfg: Config) -> list[tuple[str, str, int]]:
+    """(logical axis, config key, size) for every model dimension that a mesh axis splits."""
+    lin = cfg.linear_attn_config
+    rows = [
+        ("vocab", "vocab_size", cfg.vocab_size),
+        ("heads", "linear_attn_config.num_heads", lin.num_heads),
+        ("heads", "num_attention_heads", cfg.num_attention_heads),
+        ("mlp", "intermediate_size", cfg.intermediate_size),
+        ("batch", "per_device_batch_size x data", cfg.global_batch_size),
+    ]
+    if cfg.q_lora_rank:
+        rows.append(("q_lora", "q_lora_rank", cfg.q_lora_rank))
+    if cfg.num_experts:
+        rows += [
+            ("exp", "num_experts", cfg.num_experts),
+            ("mlp", "moe_intermediate_size x num_shared_experts",
+             cfg.moe_intermediate_size * cfg.num_shared_experts),
+        ]
+        if cfg.routed_expert_hidden_size:
+            rows.append(("latent", "routed_expert_hidden_size", cfg.routed_expert_hidden_size))
+    return rows
+
+
+def _validate_divisibility(cfg: Config) -> None:
+    for logical, key, size in divisibility_table(cfg):
+        ways = cfg.axis_size(logical)
+        if size and size % ways:
+            axes = " x ".join(
+                f"{a}={cfg.mesh_shape[a]}" for a in cfg.logical_axis_rules.get(logical, ())
+            )
+            raise ConfigError(
+                f"{key} = {size} does not divide over the '{logical}' mesh axes ({axes} -> "
+                f"{ways} shards); change the mesh or logical_axis_rules.{logical}"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Loading.
+# --------------------------------------------------------------------------------------------
+
+
+def _apply(values: dict[str, Any], flat: Mapping[str, Any], where: str,
+           allowed: frozenset[str] | None = None) -> None:
+    for key, value in flat.items():
+        if key in ("base_config", "model_config"):
+            continue
+        if key not in values:
+            raise ConfigError(_unknown_key_message(key, where))
+        if allowed is not None and key not in allowed:
+            raise ConfigError(f"'{key}' in {where} is not a model key")
+        values[key] = _coerce(key, value, where)
+
+
+def checkpoint_model_config(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The flat model keys stored with a converted checkpoint, or None when it has none."""
+    file = Path(path) / CHECKPOINT_MODEL_FILE
+    if not file.exists():
+        return None
+    return _flatten(_read_yaml(file))
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (),
+                **kwargs: Any) -> Config:
+    """Load `path` (or only base.yml), apply `key=value` overrides and keyword overrides."""
+    values = dict(base_defaults())
+    for key, value in values.items():
+        values[key] = _coerce(key, value, "base.yml")
+
+    chain = _file_chain(Path(path)) if path else []
+    model_file = None
+    for file, flat in chain:
+        if "model_config" in flat:
+            model_file = (file.parent / flat["model_config"]).resolve()
+    cli = dict(_parse_override(item) for item in overrides)
+    cli.update(kwargs)
+    if "model_config" in cli:  # pragma: no cover - documented for completeness
+        model_file = Path(cli.pop("model_config")).resolve()
+    if model_file is not None:
+        for file, flat in _file_chain(model_file):
+            _apply(values, flat, str(file))
+    for file, flat in chain:
+        _apply(values, flat, str(file))
+
+    ckpt_path = cli.get("load_parameters_path", values["load_parameters_path"])
+    if ckpt_path:
+        stored = checkpoint_model_config(ckpt_path)
+        if stored is not None:
+            where = f"{Path(ckpt_path) / CHECKPOINT_MODEL_FILE}"
+            _apply(values, stored, where, allowed=MODEL_KEYS)
+            for key in MODEL_KEYS & cli.keys():
+                given = _coerce(key, cli[key], "the command line")
+                if given != values[key]:
+                    raise ConfigError(
+                        f"'{key}={cli[key]}' on the command line disagrees with the checkpoint "
+                        f"at {ckpt_path} ({key} = {values[key]!r})"
+                    )
+    _apply(values, cli, "the command line")
+    return Config(values, explicit=cli.keys())
+
+
+def config_from_dict(model: Mapping[str, Any], **overrides: Any) -> Config:
+    """A Config from base.yml plus a nested or flat mapping (tests and the converter use it)."""
+    values = {k: _coerce(k, v, "base.yml") for k, v in base_defaults().items()}
+    _apply(values, _flatten(model), "the given mapping")
+    _apply(values, overrides, "keyword overrides")
+    return Config(values, explicit=overrides.keys())

@@ -1,0 +1,167 @@
+"""KDA (Kimi Delta Attention) layer: projections, short conv, decay/beta gates, delta rule,
+gated output norm. The recurrence itself lives in `k3text.ops.kda`.
+
+Two entry points share every projection and gate:
+- `__call__`: a whole sequence or a prefill chunk, chunked delta rule, optionally continuing
+  from and returning a `KDAState` (recurrent state + conv state);
+- `step`: one token per sequence for decode, single-step update and conv ring update.
+
+Right-padded tokens (`valid == False`) are made no-ops on the state (beta = 0, g = 0, and the
+conv state is taken from each row's last valid inputs), so padding never leaks into a sequence.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3text import sharding
+from k3text.config import Config
+from k3text.layers.initializers import FP32, Init, compute_dtype, precision, weight_dtype
+from k3text.layers.linears import matmul
+from k3text.layers.normalizations import gated_rms_norm
+from k3text.ops import kda as kda_ops
+
+
+class KDAState(NamedTuple):
+    """Per-sequence KDA decode state of one layer."""
+
+    recurrent: jax.Array  # [B, H, K, V] float32
+    conv: jax.Array  # [B, W-1, 3, H*K]: the last W-1 inputs of the q, k and v convolutions
+
+
+def decay_gate(cfg: Config, f: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
+    """Log-space per-channel decay g <= 0 from the low-rank projection output f [..., H, K].
+
+    Kimi Linear: g = -exp(A_log) * softplus(f + dt_bias).
+    K3 (gate_lower_bound = lb < 0): g = lb * sigmoid(exp(A_log) * (f + dt_bias)), in (lb, 0).
+    """
+    heads, head_dim = f.shape[-2:]
+    x = f.astype(FP32) + dt_bias.astype(FP32).reshape(heads, head_dim)
+    rate = jnp.exp(a_log.astype(FP32))[:, None]
+    lower_bound = cfg.linear_attn_config.gate_lower_bound
+    if lower_bound:
+        return lower_bound * jax.nn.sigmoid(rate * x)
+    return -rate * jax.nn.softplus(x)
+
+
+def _inverse_softplus_dt(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), shape))
+    return dt + np.log(-np.expm1(-dt))
+
+
+class KDAAttention(nnx.Module):
+    def __init__(self, cfg: Config, init: Init):
+        self.cfg = cfg
+        lin = cfg.linear_attn_config
+        hidden, heads, dim = cfg.hidden_size, lin.num_heads, lin.head_dim
+        width = heads * dim
+        wdt = weight_dtype(cfg)
+        self.q_proj = init.fan_in((hidden, width), ("embed", "heads"), wdt)
+        self.k_proj = init.fan_in((hidden, width), ("embed", "heads"), wdt)
+        self.v_proj = init.fan_in((hidden, width), ("embed", "heads"), wdt)
+        # Depthwise causal conv kernels [W, H*K], stored fp32 as the checkpoints do.
+        kernel = lin.short_conv_kernel_size
+        self.q_conv = init.fan_in((kernel, width), (None, "heads"), FP32, fan_in=kernel)
+        self.k_conv = init.fan_in((kernel, width), (None, "heads"), FP32, fan_in=kernel)
+        self.v_conv = init.fan_in((kernel, width), (None, "heads"), FP32, fan_in=kernel)
+        # Low-rank decay projection hidden -> head_dim -> H*K, then the gate function.
+        self.f_a_proj = init.fan_in((hidden, dim), ("lora_in", "kda_rank"), wdt)
+        self.f_b_proj = init.fan_in((dim, width), ("kda_rank", "heads"), wdt)
+        # A_log ~ log U(1, 16) and dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1), as FLA inits.
+        self.A_log = init.values((heads,), ("heads",), FP32,
+                                 lambda rng, s: np.log(rng.uniform(1.0, 16.0, s)))
+        self.dt_bias = init.values((width,), ("heads",), FP32, _inverse_softplus_dt)
+        self.b_proj = init.fan_in((hidden, heads), ("embed", "heads"), wdt)
+        if lin.use_full_rank_gate:
+            self.g_proj = init.fan_in((hidden, width), ("embed", "heads"), wdt)
+        else:
+            self.g_a_proj = init.fan_in((hidden, dim), ("lora_in", "kda_rank"), wdt)
+            self.g_b_proj = init.fan_in((dim, width), ("kda_rank", "heads"), wdt)
+        self.o_norm = init.constant((dim,), (None,), FP32)
+        self.o_proj = init.fan_in((width, hidden), ("heads", "embed"), wdt)
+
+    # ---- pieces shared by the sequence and step paths --------------------------------------
+
+    def _split_heads(self, x: jax.Array) -> jax.Array:
+        lin = self.cfg.linear_attn_config
+        return x.reshape(*x.shape[:-1], lin.num_heads, lin.head_dim)
+
+    def _gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Decay g [..., H, K] (fp32, <= 0) and beta [..., H] (fp32) from the layer input."""
+        cfg = self.cfg
+        f = matmul(cfg, matmul(cfg, x, self.f_a_proj[...]), self.f_b_proj[...])
+        g = decay_gate(cfg, self._split_heads(f), self.A_log[...], self.dt_bias[...])
+        beta = jax.nn.sigmoid(matmul(cfg, x, self.b_proj[...]).astype(FP32))
+        return g, beta
+
+    def _qk(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-head L2 norm of q and k (fp32; without it the state grows without bound),
+        and the 1/sqrt(K) query scale."""
+        dim = self.cfg.linear_attn_config.head_dim
+        q = kda_ops.l2_normalize(self._split_heads(q)) * dim**-0.5
+        return q, kda_ops.l2_normalize(self._split_heads(k))
+
+    def _output(self, x: jax.Array, o: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        if cfg.linear_attn_config.use_full_rank_gate:
+            gate = matmul(cfg, x, self.g_proj[...])
+        else:
+            gate = matmul(cfg, matmul(cfg, x, self.g_a_proj[...]), self.g_b_proj[...])
+        o = gated_rms_norm(o, self._split_heads(gate), self.o_norm[...], cfg.rms_norm_eps)
+        o = o.reshape(*o.shape[:-2], -1).astype(compute_dtype(cfg))
+        return matmul(cfg, o, self.o_proj[...])
+
+    def _projections(self, x: jax.Array) -> list[jax.Array]:
+        return [matmul(self.cfg, x, w[...]) for w in (self.q_proj, self.k_proj, self.v_proj)]
+
+    @property
+    def _convs(self) -> list[jax.Array]:
+        return [w[...] for w in (self.q_conv, self.k_conv, self.v_conv)]
+
+    # ---- entry points ---------------------------------------------------------------------
+
+    def __call__(self, x: jax.Array, state: KDAState | None = None,
+                 valid: jax.Array | None = None) -> tuple[jax.Array, KDAState]:
+        """x [B, T, hidden] -> (y [B, T, hidden], final state).
+
+        `valid` [B, T] marks real tokens; padding must come after each row's real tokens.
+        """
+        cfg, prec = self.cfg, precision(self.cfg)
+        lengths = None if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
+        conv_in = None if state is None else state.conv
+        mixed, new_conv = [], []
+        for i, (h, w) in enumerate(zip(self._projections(x), self._convs, strict=True)):
+            y, s = kda_ops.causal_conv1d(h, w, None if conv_in is None else conv_in[:, :, i],
+                                         lengths=lengths)
+            mixed.append(jax.nn.silu(y.astype(FP32)))
+            new_conv.append(s)
+        q, k = self._qk(mixed[0], mixed[1])
+        v = self._split_heads(mixed[2])
+        q, k, v = (sharding.constrain(t, ("batch", None, "heads", None)) for t in (q, k, v))
+        g, beta = self._gates(x)
+        if valid is not None:  # padding tokens: no decay, no write
+            g = jnp.where(valid[:, :, None, None], g, 0.0)
+            beta = jnp.where(valid[:, :, None], beta, 0.0)
+        initial = None if state is None else state.recurrent
+        o, recurrent = kda_ops.kda_chunked(q, k, v, g, beta, initial_state=initial,
+                                           chunk_size=cfg.kda_chunk_size, precision=prec)
+        return self._output(x, o), KDAState(recurrent, jnp.stack(new_conv, axis=2))
+
+    def step(self, x: jax.Array, state: KDAState) -> tuple[jax.Array, KDAState]:
+        """One decode token per sequence: x [B, hidden] -> (y [B, hidden], new state)."""
+        prec = precision(self.cfg)
+        mixed, new_conv = [], []
+        for i, (h, w) in enumerate(zip(self._projections(x), self._convs, strict=True)):
+            y, s = kda_ops.causal_conv1d_step(h, w, state.conv[:, :, i])
+            mixed.append(jax.nn.silu(y.astype(FP32)))
+            new_conv.append(s)
+        q, k = self._qk(mixed[0], mixed[1])
+        v = self._split_heads(mixed[2])
+        g, beta = self._gates(x)
+        o, recurrent = kda_ops.kda_step(q, k, v, g, beta, state.recurrent, precision=prec)
+        return self._output(x, o), KDAState(recurrent, jnp.stack(new_conv, axis=2))

@@ -1,0 +1,191 @@
+"""MLA (multi-head latent attention), NoPE, with K3's optional q-LoRA and sigmoid output gate.
+
+Per token the layer caches only the latent `c_kv || k_r` (kv_lora_rank + qk_rope_head_dim wide;
+576 for K3). Three attention forms share the projections:
+- `__call__`: a whole sequence, or a prefill chunk written into and read back from the cache;
+  keys and values are materialised from the latent with `kv_b_proj` (cheap per query when many
+  queries share the keys);
+- `step`: decode, absorbed: `kv_b_proj` is folded into the query (q_nope -> latent space) and
+  the output (latent -> v), so attention runs directly over the cached latents;
+- `step_materialised`: decode by materialising K/V from the cache: the reference `step` is
+  tested against.
+There is no positional encoding anywhere (`mla_use_nope`): the 64-wide `k_r` is a shared key
+tail broadcast to every head, never rotated.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3text import sharding
+from k3text.config import Config
+from k3text.layers.initializers import FP32, Init, compute_dtype, weight_dtype
+from k3text.layers.initializers import precision as precision_of
+from k3text.layers.linears import matmul
+from k3text.layers.normalizations import rms_norm
+
+# The two latent norms use eps 1e-6 whatever rms_norm_eps says (as the reference does).
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAAttention(nnx.Module):
+    def __init__(self, cfg: Config, init: Init):
+        self.cfg = cfg
+        hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+        qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        wdt = weight_dtype(cfg)
+        if cfg.q_lora_rank:
+            self.q_a_proj = init.fan_in((hidden, cfg.q_lora_rank), ("lora_in", "q_lora"),
+                                         wdt)
+            self.q_a_layernorm = init.constant((cfg.q_lora_rank,), ("q_lora",), wdt)
+            self.q_b_proj = init.fan_in((cfg.q_lora_rank, heads * qk_dim),
+                                         ("q_lora", "heads"), wdt)
+        else:
+            self.q_proj = init.fan_in((hidden, heads * qk_dim), ("embed", "heads"), wdt)
+        self.kv_a_proj = init.fan_in((hidden, cfg.mla_latent_dim), ("lora_in", "kv_lora"),
+                                      wdt)
+        self.kv_a_layernorm = init.constant((cfg.kv_lora_rank,), ("kv_lora",), wdt)
+        # kv_b_proj [kv_lora, H, nope + v]: per head, the latent -> (k_nope, v) maps.
+        kv_b_shape = (cfg.kv_lora_rank, heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        self.kv_b_proj = init.fan_in(kv_b_shape, ("kv_lora", "heads", None), wdt,
+                                     fan_in=cfg.kv_lora_rank)
+        if cfg.mla_use_output_gate:
+            self.g_proj = init.fan_in((hidden, heads * cfg.v_head_dim), ("embed", "heads"),
+                                       wdt)
+        self.o_proj = init.fan_in((heads * cfg.v_head_dim, hidden), ("heads", "embed"),
+                                   wdt)
+        self.scale = qk_dim**-0.5
+
+    # ---- projections ----------------------------------------------------------------------
+
+    def _query(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(q_nope [..., H, nope], q_rope [..., H, rope])."""
+        cfg = self.cfg
+        if cfg.q_lora_rank:
+            c_q = rms_norm(matmul(cfg, x, self.q_a_proj[...]), self.q_a_layernorm[...],
+                           LATENT_NORM_EPS)
+            q = matmul(cfg, c_q, self.q_b_proj[...])
+        else:
+            q = matmul(cfg, x, self.q_proj[...])
+        q = q.reshape(*q.shape[:-1], cfg.num_attention_heads, -1)
+        return q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+
+    def latent(self, x: jax.Array) -> jax.Array:
+        """The cached per-token latent: norm(c_kv) || k_r, [..., kv_lora + rope]."""
+        cfg = self.cfg
+        kv = matmul(cfg, x, self.kv_a_proj[...])
+        c_kv = rms_norm(kv[..., : cfg.kv_lora_rank], self.kv_a_layernorm[...], LATENT_NORM_EPS)
+        return jnp.concatenate([c_kv, kv[..., cfg.kv_lora_rank :]], axis=-1)
+
+    def _keys_values(self, latent: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Materialise per-head keys [..., S, H, nope+rope] and values [..., S, H, v]."""
+        cfg = self.cfg
+        dtype = compute_dtype(cfg)
+        c_kv, k_rope = latent[..., : cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank :]
+        kv = jnp.einsum("...c,chd->...hd", c_kv.astype(dtype), self.kv_b_proj[...].astype(dtype),
+                        precision=precision_of(cfg))
+        k_nope, v = kv[..., : cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim :]
+        k_rope = jnp.broadcast_to(k_rope[..., None, :].astype(dtype),
+                                  (*k_nope.shape[:-1], cfg.qk_rope_head_dim))
+        return jnp.concatenate([k_nope, k_rope], axis=-1), v
+
+    def _output(self, x: jax.Array, o: jax.Array) -> jax.Array:
+        """o [..., H, v] -> gate -> o_proj -> [..., hidden]."""
+        cfg = self.cfg
+        o = o.reshape(*o.shape[:-2], -1).astype(compute_dtype(cfg))
+        if cfg.mla_use_output_gate:
+            gate = matmul(cfg, x, self.g_proj[...])
+            o = (o.astype(FP32) * jax.nn.sigmoid(gate.astype(FP32))).astype(o.dtype)
+        return matmul(cfg, o, self.o_proj[...])
+
+    def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+        """Softmax attention, q [B,T,H,D], k [B,S,H,D], v [B,S,H,V], mask [B,T,S] -> [B,T,H,V]."""
+        prec = precision_of(self.cfg)
+        scores = jnp.einsum("bthd,bshd->bhts", q, k, precision=prec,
+                            preferred_element_type=FP32) * self.scale
+        scores = jnp.where(mask[:, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        return jnp.einsum("bhts,bshv->bthv", probs.astype(v.dtype), v, precision=prec,
+                          preferred_element_type=FP32)
+
+    # ---- entry points ---------------------------------------------------------------------
+
+    def __call__(self, x: jax.Array, cache: jax.Array | None = None,
+                 start: jax.Array | int = 0, valid: jax.Array | None = None,
+                 ) -> tuple[jax.Array, jax.Array | None]:
+        """x [B, T, hidden] -> (y, updated cache).
+
+        Without a cache: causal attention within x. With a cache [B, S, latent] the chunk's
+        latents are written at positions [start, start + T) and the chunk attends to every
+        cached position up to itself (earlier chunks included), read back in the cache dtype.
+        """
+        batch, length = x.shape[:2]
+        q_nope, q_rope = self._query(x)
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        latent = self.latent(x)
+        q_pos = start + jnp.arange(length)
+        n_valid = (jnp.full((batch,), length, jnp.int32) if valid is None
+                   else jnp.sum(valid, axis=1, dtype=jnp.int32))
+        if cache is None:
+            keys_from = latent
+            k_pos = q_pos
+        else:
+            cache = jax.lax.dynamic_update_slice(cache, latent.astype(cache.dtype), (0, start, 0))
+            keys_from = cache
+            k_pos = jnp.arange(cache.shape[1])
+        k, v = self._keys_values(keys_from)
+        k = sharding.constrain(k, ("batch", None, "heads", None))
+        # Causal, and only keys that hold real tokens (padding sits after each row's tokens).
+        mask = (k_pos[None, :] <= q_pos[:, None])[None] & (
+            k_pos[None, None, :] < (start + n_valid)[:, None, None])
+        o = self._attend(q, k, v, mask)
+        return self._output(x, o), cache
+
+    def _absorbed_query(self, q_nope: jax.Array) -> jax.Array:
+        """q_nope [B, H, nope] -> latent-space query [B, H, kv_lora] through kv_b_proj's keys."""
+        cfg = self.cfg
+        w_uk = self.kv_b_proj[...][..., : cfg.qk_nope_head_dim]
+        return jnp.einsum("bhn,chn->bhc", q_nope, w_uk.astype(q_nope.dtype),
+                          precision=precision_of(cfg), preferred_element_type=FP32)
+
+    def _write(self, cache: jax.Array, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Write each row's new latent at its own position (dropped if past the cache end)."""
+        rows = jnp.arange(cache.shape[0])
+        return cache.at[rows, positions].set(self.latent(x).astype(cache.dtype), mode="drop")
+
+    def step(self, x: jax.Array, cache: jax.Array, positions: jax.Array,
+             ) -> tuple[jax.Array, jax.Array]:
+        """Absorbed decode: x [B, hidden] at `positions` [B] -> (y [B, hidden], cache)."""
+        cfg = self.cfg
+        prec = precision_of(cfg)
+        dtype = compute_dtype(cfg)
+        cache = self._write(cache, x, positions)
+        q_nope, q_rope = self._query(x)
+        q_latent = self._absorbed_query(q_nope).astype(dtype)
+        c_kv = cache[..., : cfg.kv_lora_rank].astype(dtype)
+        k_rope = cache[..., cfg.kv_lora_rank :].astype(dtype)
+        scores = (jnp.einsum("bhc,bsc->bhs", q_latent, c_kv, precision=prec,
+                             preferred_element_type=FP32)
+                  + jnp.einsum("bhr,bsr->bhs", q_rope.astype(dtype), k_rope, precision=prec,
+                               preferred_element_type=FP32)) * self.scale
+        valid = jnp.arange(cache.shape[1])[None, :] <= positions[:, None]
+        probs = jax.nn.softmax(jnp.where(valid[:, None], scores, -jnp.inf), axis=-1)
+        o_latent = jnp.einsum("bhs,bsc->bhc", probs.astype(dtype), c_kv, precision=prec,
+                              preferred_element_type=FP32)
+        w_uv = self.kv_b_proj[...][..., cfg.qk_nope_head_dim :]
+        o = jnp.einsum("bhc,chv->bhv", o_latent.astype(dtype), w_uv.astype(dtype),
+                       precision=prec, preferred_element_type=FP32)
+        return self._output(x, o), cache
+
+    def step_materialised(self, x: jax.Array, cache: jax.Array, positions: jax.Array,
+                          ) -> tuple[jax.Array, jax.Array]:
+        """Reference decode: materialise K/V for every cached position, then attend."""
+        cache = self._write(cache, x, positions)
+        q_nope, q_rope = self._query(x)
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)[:, None]
+        k, v = self._keys_values(cache)
+        mask = (jnp.arange(cache.shape[1])[None, :] <= positions[:, None])[:, None, :]
+        o = self._attend(q, k, v, mask)[:, 0]
+        return self._output(x, o), cache

@@ -1,0 +1,239 @@
+"""The decoder: embedding -> layers (leading, scanned groups, trailing) -> final norm -> logits.
+
+The layer pattern comes from the config (`full_attn_layers`, `first_k_dense_replace`); the
+repeating group (K3: KDA, KDA, KDA, MLA) is found by `config.find_scan_plan` and its repeats
+run as one `lax.scan` over stacked parameters, so compile time and XLA temporaries stay flat
+in depth. The residual stream (plain, or AttnRes blocks) and the decode state ride in the scan
+carry; per-layer indices (AttnRes block boundaries, KDA/MLA state slots) are computed from the
+scan index, never from the position inside a group.
+
+Three modes share all of it:
+- `forward(tokens)`: full sequence, no cache (reference and training);
+- `prefill(tokens, valid, state, start)`: one chunk, reading and writing the decode state;
+- `decode(tokens, state)`: one token per sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3text.config import Config, LayerSpec, ModelStructure
+from k3text.layers import attn_res
+from k3text.layers.attention_kda import KDAAttention, KDAState
+from k3text.layers.attention_mla import MLAAttention
+from k3text.layers.embeddings import Embed, LMHead
+from k3text.layers.initializers import Init, weight_dtype
+from k3text.layers.mlp import MLP
+from k3text.layers.moe import MoE
+from k3text.layers.normalizations import RMSNorm
+
+
+class DecodeState(NamedTuple):
+    """Everything a sequence slot carries between steps (see k3text.inference.state)."""
+
+    kda_recurrent: jax.Array  # [n_kda, B, H, K, V] float32
+    kda_conv: jax.Array  # [n_kda, B, W-1, 3, H*K]
+    mla_cache: jax.Array  # [n_mla, B, S, kv_lora + rope] in mla_cache_dtype
+    lengths: jax.Array  # [B] int32: tokens already in the cache per slot
+
+
+# (mixer, spec, kda slot, mla slot, normed input, state) -> (mixer output, state)
+MixerRun = Callable[[nnx.Module, LayerSpec, Any, Any, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Config, spec: LayerSpec, init: Init):
+        self.cfg = cfg
+        self.spec = spec
+        wdt = weight_dtype(cfg)
+        self.input_layernorm = RMSNorm(init, cfg.hidden_size, cfg.rms_norm_eps, wdt)
+        self.post_attention_layernorm = RMSNorm(init, cfg.hidden_size, cfg.rms_norm_eps, wdt)
+        self.mixer = KDAAttention(cfg, init) if spec.mixer == "kda" else MLAAttention(cfg, init)
+        if spec.mlp == "moe":
+            self.mlp = MoE(cfg, init)
+        else:
+            self.mlp = MLP(cfg, cfg.hidden_size, cfg.intermediate_size, init)
+        if cfg.attn_res_block_size:
+            hidden = cfg.hidden_size
+            for name in ("self_attention_res", "mlp_res"):
+                setattr(self, f"{name}_proj",
+                        init.fan_in((hidden,), ("embed",), wdt, fan_in=hidden))
+                setattr(self, f"{name}_norm", init.constant((hidden,), ("embed",), wdt))
+
+    def __call__(self, stream: Any, layer_index: Any, kda_slot: Any, mla_slot: Any,
+                 state: Any, run: MixerRun) -> tuple[Any, Any]:
+        cfg = self.cfg
+
+        def mixer(h):
+            return run(self.mixer, self.spec, kda_slot, mla_slot, self.input_layernorm(h), state)
+
+        if not cfg.attn_res_block_size:
+            a, state_out = mixer(stream)
+            x = stream + a
+            return x + self.mlp(self.post_attention_layernorm(x)), state_out
+        eps = cfg.rms_norm_eps
+        h = attn_res.mix(stream.prefix_sum, stream.blocks, stream.count,
+                         self.self_attention_res_proj[...], self.self_attention_res_norm[...], eps)
+        stream = attn_res.maybe_open_block(stream, layer_index, cfg.attn_res_block_size)
+        a, state_out = mixer(h)
+        prefix = stream.prefix_sum + a
+        h = attn_res.mix(prefix, stream.blocks, stream.count, self.mlp_res_proj[...],
+                         self.mlp_res_norm[...], eps)
+        prefix = prefix + self.mlp(self.post_attention_layernorm(h))
+        return stream._replace(prefix_sum=prefix), state_out
+
+
+class LayerGroup(nnx.Module):
+    """One repeat of the scanned layer pattern."""
+
+    def __init__(self, cfg: Config, specs: tuple[LayerSpec, ...], init: Init):
+        self.layers = nnx.List([DecoderLayer(cfg, spec, init) for spec in specs])
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: Config, init: Init):
+        self.cfg = cfg
+        st: ModelStructure = cfg.structure
+        plan = st.scan
+        wdt = weight_dtype(cfg)
+        self.embed = Embed(cfg, init)
+        self.lead = nnx.List([DecoderLayer(cfg, st.layers[i], init) for i in range(plan.lead)])
+        if plan.num_groups:
+            specs = st.layers[plan.lead : plan.lead + plan.period]
+            with init.stacked(plan.num_groups):
+                self.groups = LayerGroup(cfg, specs, init)
+        first_trail = plan.lead + plan.period * plan.num_groups
+        self.trail = nnx.List([DecoderLayer(cfg, st.layers[i], init)
+                               for i in range(first_trail, len(st.layers))])
+        self.norm = RMSNorm(init, cfg.hidden_size, cfg.rms_norm_eps, wdt)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = LMHead(cfg, init)
+        if cfg.attn_res_block_size:
+            self.output_attn_res_proj = init.fan_in((cfg.hidden_size,), ("embed",), wdt,
+                                                     fan_in=cfg.hidden_size)
+            self.output_attn_res_norm = init.constant((cfg.hidden_size,), ("embed",), wdt)
+
+    # ---- the layer stack ------------------------------------------------------------------
+
+    def _layers(self, stream: Any, state: Any, run: MixerRun) -> tuple[Any, Any]:
+        st: ModelStructure = self.cfg.structure
+        plan = st.scan
+
+        def fixed(layer, i, stream, state):
+            return layer(stream, i, st.kda_index[i], st.mla_index[i], state, run)
+
+        for i, layer in enumerate(self.lead):
+            stream, state = fixed(layer, i, stream, state)
+        if plan.num_groups:
+            stream, state = self._scan_groups(stream, state, run)
+        first_trail = plan.lead + plan.period * plan.num_groups
+        for j, layer in enumerate(self.trail):
+            stream, state = fixed(layer, first_trail + j, stream, state)
+        return stream, state
+
+    def _scan_groups(self, stream: Any, state: Any, run: MixerRun) -> tuple[Any, Any]:
+        st: ModelStructure = self.cfg.structure
+        plan = st.scan
+        specs = st.layers[plan.lead : plan.lead + plan.period]
+        # Slot offsets of the first scanned group and per-group increments.
+        kda0 = sum(s.mixer == "kda" for s in st.layers[: plan.lead])
+        mla0 = plan.lead - kda0
+        kda_per = sum(s.mixer == "kda" for s in specs)
+        mla_per = plan.period - kda_per
+        graphdef, params = nnx.split(self.groups)
+
+        def body(carry, xs):
+            stream, state = carry
+            g, group_params = xs
+            group = nnx.merge(graphdef, group_params)
+            kda, mla = kda0 + g * kda_per, mla0 + g * mla_per
+            for j, layer in enumerate(group.layers):
+                spec = specs[j]
+                stream, state = layer(stream, plan.lead + g * plan.period + j,
+                                      kda if spec.mixer == "kda" else -1,
+                                      mla if spec.mixer == "mla" else -1, state, run)
+                kda = kda + (spec.mixer == "kda")
+                mla = mla + (spec.mixer == "mla")
+            return (stream, state), None
+
+        (stream, state), _ = jax.lax.scan(body, (stream, state),
+                                          (jnp.arange(plan.num_groups), params))
+        return stream, state
+
+    def _logits(self, stream: Any) -> jax.Array:
+        cfg = self.cfg
+        if cfg.attn_res_block_size:
+            x = attn_res.mix(stream.prefix_sum, stream.blocks, stream.count,
+                             self.output_attn_res_proj[...], self.output_attn_res_norm[...],
+                             cfg.rms_norm_eps)
+        else:
+            x = stream
+        x = self.norm(x)
+        logits = self.embed.attend(cfg, x) if cfg.tie_word_embeddings else self.lm_head(x)
+        return logits.astype(jnp.float32)
+
+    def _stream(self, tokens: jax.Array) -> Any:
+        x = self.embed(tokens)
+        if self.cfg.attn_res_block_size:
+            return attn_res.start(x, self.cfg.structure.attn_res_blocks)
+        return x
+
+    # ---- modes ----------------------------------------------------------------------------
+
+    def forward(self, tokens: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        """Full-sequence logits [B, T, vocab] (fp32) for tokens [B, T], no cache."""
+
+        def run(mixer, spec, kda_slot, mla_slot, h, state):
+            return mixer(h, valid=valid)[0], state
+
+        stream, _ = self._layers(self._stream(tokens), None, run)
+        return self._logits(stream)
+
+    def prefill(self, tokens: jax.Array, valid: jax.Array, state: DecodeState,
+                start: jax.Array) -> tuple[jax.Array, DecodeState]:
+        """One prefill chunk: tokens [B, C] at absolute positions [start, start + C); rows may
+        end early (`valid` [B, C], padding after the real tokens). Returns the chunk's logits
+        [B, C, vocab] and the state with the chunk absorbed."""
+
+        def run(mixer, spec, kda_slot, mla_slot, h, state):
+            if spec.mixer == "kda":
+                layer_state = KDAState(state.kda_recurrent[kda_slot], state.kda_conv[kda_slot])
+                a, new = mixer(h, layer_state, valid)
+                return a, state._replace(
+                    kda_recurrent=_set(state.kda_recurrent, kda_slot, new.recurrent),
+                    kda_conv=_set(state.kda_conv, kda_slot, new.conv.astype(state.kda_conv.dtype)))
+            a, cache = mixer(h, state.mla_cache[mla_slot], start, valid)
+            return a, state._replace(mla_cache=_set(state.mla_cache, mla_slot, cache))
+
+        stream, state = self._layers(self._stream(tokens), state, run)
+        lengths = jnp.where(jnp.any(valid, axis=1),
+                            start + jnp.sum(valid, axis=1, dtype=jnp.int32), state.lengths)
+        return self._logits(stream), state._replace(lengths=lengths)
+
+    def decode(self, tokens: jax.Array, state: DecodeState, absorbed: bool = True,
+               ) -> tuple[jax.Array, DecodeState]:
+        """One token per slot: tokens [B] -> (logits [B, vocab], state advanced by one)."""
+        positions = state.lengths
+
+        def run(mixer, spec, kda_slot, mla_slot, h, state):
+            if spec.mixer == "kda":
+                layer_state = KDAState(state.kda_recurrent[kda_slot], state.kda_conv[kda_slot])
+                a, new = mixer.step(h, layer_state)
+                return a, state._replace(
+                    kda_recurrent=_set(state.kda_recurrent, kda_slot, new.recurrent),
+                    kda_conv=_set(state.kda_conv, kda_slot, new.conv.astype(state.kda_conv.dtype)))
+            step = mixer.step if absorbed else mixer.step_materialised
+            a, cache = step(h, state.mla_cache[mla_slot], positions)
+            return a, state._replace(mla_cache=_set(state.mla_cache, mla_slot, cache))
+
+        stream, state = self._layers(self._stream(tokens), state, run)
+        return self._logits(stream), state._replace(lengths=positions + 1)
+
+
+def _set(stacked: jax.Array, slot: Any, value: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stacked, value.astype(stacked.dtype), slot, 0)

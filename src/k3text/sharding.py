@@ -1,0 +1,220 @@
+"""The device mesh and the logical-axis rules: the only module that spells mesh axis names.
+
+Parameters carry logical axis names in their `axes` metadata (`("embed", "heads")`), decode state
+and activations name logical axes too; `logical_axis_rules` in the config maps each logical name
+to mesh axes. Everything else in the stack asks this module for PartitionSpecs, shardings and the
+mesh axes behind a logical name (e.g. the expert axes a MoE `psum` runs over).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from k3text.config import MESH_AXES, Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+Logical = tuple[str | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshContext:
+    """A mesh plus the rules that map logical axis names onto it."""
+
+    mesh: Mesh
+    rules: Mapping[str, tuple[str, ...]]
+
+    def spec(self, logical: Sequence[str | None]) -> PartitionSpec:
+        return logical_to_spec(logical, self.rules, self.mesh)
+
+    def sharding(self, logical: Sequence[str | None]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical))
+
+    def axes(self, logical: str) -> tuple[str, ...]:
+        """Mesh axes (of size > 1) that the logical axis is split over."""
+        return tuple(a for a in self.rules.get(logical, ()) if self.mesh.shape[a] > 1)
+
+    def size(self, logical: str) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.axes(logical))
+
+    def axis_index(self, logical: str) -> jax.Array:
+        """This shard's index along the (flattened) mesh axes of `logical`; inside shard_map."""
+        index = 0
+        for axis in self.axes(logical):
+            index = index * self.mesh.shape[axis] + jax.lax.axis_index(axis)
+        return index
+
+
+_ACTIVE: list[MeshContext] = []
+
+
+def logical_to_spec(logical: Sequence[str | None], rules: Mapping[str, tuple[str, ...]],
+                    mesh: Mesh | None = None) -> PartitionSpec:
+    """PartitionSpec for an array whose dimensions carry `logical` names.
+
+    A mesh axis is used at most once per array (first dimension wins); axes of size 1 are
+    dropped so specs stay readable.
+    """
+    used: set[str] = set()
+    parts: list[Any] = []
+    for name in logical:
+        axes = []
+        for axis in rules.get(name, ()) if name else ():
+            if axis in used or (mesh is not None and mesh.shape[axis] == 1):
+                continue
+            used.add(axis)
+            axes.append(axis)
+        parts.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return PartitionSpec(*parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Mesh construction.
+# --------------------------------------------------------------------------------------------
+
+
+def maybe_initialize_distributed(cfg: Config) -> None:
+    """`jax.distributed.initialize` when the config asks for it (multi-host)."""
+    if not cfg.jax_distributed_initialize:
+        return
+    if cfg.jax_cpu_collectives != "none":
+        jax.config.update("jax_cpu_collectives_implementation", cfg.jax_cpu_collectives)
+    kwargs: dict[str, Any] = {}
+    if cfg.coordinator_address:
+        kwargs = dict(coordinator_address=cfg.coordinator_address,
+                      num_processes=cfg.num_processes, process_id=cfg.process_id)
+    jax.distributed.initialize(**kwargs)
+    log.info("jax.distributed: process %d of %d, %d local / %d global devices",
+             jax.process_index(), jax.process_count(), jax.local_device_count(),
+             jax.device_count())
+
+
+def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The [data, expert, tensor] mesh the config describes, over `devices` (default: all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = cfg.mesh_shape
+    if math.prod(shape.values()) != len(devices):
+        sizes = ", ".join(
+            f"{a}={cfg[f'ici_{a}_parallelism']}x{cfg[f'dcn_{a}_parallelism']}" for a in MESH_AXES
+        )
+        raise ConfigError(
+            f"mesh ({sizes}) needs {math.prod(shape.values())} devices, but {len(devices)} "
+            f"are available"
+        )
+    dims = [shape[a] for a in MESH_AXES]
+    if jax.process_count() > 1 or any(cfg[f"dcn_{a}_parallelism"] > 1 for a in MESH_AXES):
+        # Let JAX order devices by physical topology; data placement never depends on this
+        # order (loading asks each sharding which slice a device holds).
+        return jax.make_mesh(dims, MESH_AXES, devices=devices,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(np.asarray(devices).reshape(dims), MESH_AXES)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules: Mapping[str, tuple[str, ...]]) -> Iterator[MeshContext]:
+    """Activate `mesh` and `rules` for activation constraints and the MoE shard_map."""
+    ctx = MeshContext(mesh, dict(rules))
+    _ACTIVE.append(ctx)
+    try:
+        with jax.set_mesh(mesh):
+            yield ctx
+    finally:
+        _ACTIVE.pop()
+
+
+def active() -> MeshContext | None:
+    """The mesh context set by `use_mesh`, or None (single device, no constraints)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Pin an activation's layout by logical names; a no-op without an active mesh."""
+    ctx = active()
+    if ctx is None or ctx.mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, ctx.sharding(logical))
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters and state.
+# --------------------------------------------------------------------------------------------
+
+
+def variable_axes(variable: nnx.Variable) -> Logical:
+    axes = variable.get_metadata().get("axes")
+    value = variable.get_value()
+    if axes is None:
+        return (None,) * np.ndim(value)
+    if len(axes) != np.ndim(value):
+        raise ValueError(f"parameter with axes {axes} has shape {np.shape(value)}")
+    return tuple(axes)
+
+
+def state_logical_axes(state: Any) -> Any:
+    """Tree of logical-axis tuples for an nnx State (same structure, Variables -> tuples)."""
+    return jax.tree.map(variable_axes, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def tree_shardings(logical_tree: Any, shapes: Any, ctx: MeshContext) -> Any:
+    """NamedShardings for a tree of logical-axis tuples, checking every split divides."""
+
+    def one(path, logical, shape):
+        spec = ctx.spec(logical)
+        for dim, part in zip(np.shape(shape) if not hasattr(shape, "shape") else shape.shape,
+                             spec, strict=False):
+            if part is None:
+                continue
+            ways = math.prod(ctx.mesh.shape[a] for a in ((part,) if isinstance(part, str)
+                                                         else part))
+            if dim % ways:
+                raise ConfigError(
+                    f"{jax.tree_util.keystr(path)}: dimension {dim} ({logical}) does not divide "
+                    f"over mesh axes {part} ({ways} shards)"
+                )
+        return NamedSharding(ctx.mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(
+        one, logical_tree, shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def state_shardings(state: Any, ctx: MeshContext) -> Any:
+    """NamedSharding tree for an nnx State (Variables replaced by shardings)."""
+    is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+    logical = jax.tree.map(variable_axes, state, is_leaf=is_var)
+    shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v.get_value()),
+                                                         v.get_value().dtype),
+                          state, is_leaf=is_var)
+    return tree_shardings(logical, shapes, ctx)
+
+
+def shard_to_layout(tree: Any, shardings: Any) -> Any:
+    """`device_put` each leaf into its target sharding."""
+    return jax.tree.map(jax.device_put, tree, shardings)
+
+
+def make_global_array(shape: Sequence[int], dtype: Any, sharding: NamedSharding,
+                      read_slice: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
+    """Assemble a global array from host data, reading only the slices local devices hold.
+
+    Placement comes from `sharding.addressable_devices_indices_map`, never from process ids or
+    device order, so it is right for any mesh construction on any number of hosts.
+    """
+    index_map = sharding.addressable_devices_indices_map(tuple(shape))
+    arrays = []
+    cache: dict[tuple, np.ndarray] = {}
+    for device, index in index_map.items():
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in cache:
+            cache[key] = np.asarray(read_slice(index), dtype=dtype)
+        arrays.append(jax.device_put(cache[key], device))
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
