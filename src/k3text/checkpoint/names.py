@@ -1,0 +1,265 @@
+"""Hugging Face tensor names -> k3text parameters: one name table per checkpoint layout.
+
+Layouts:
+- `moonshot`: Moonshot's original Kimi Linear layout, also what transformers 5.24
+  `save_pretrained` writes (separate q/k/v_conv1d, per-expert `w1|w2|w3`, the dense layer's
+  MLP under `block_sparse_moe.`);
+- `transformers`: transformers' in-memory names (fused `conv1d`, `forget_gate.` prefix, `mlp.`
+  prefix, stacked `experts.gate_up_proj` / `experts.down_proj`);
+- `k3`: the released Kimi K3 (`language_model.` prefix, q-LoRA gated MLA, full-rank KDA gate,
+  LatentMoE, AttnRes, MXFP4 experts as `weight_packed` + `weight_scale`, dense MLP under
+  `mlp.`); vision tensors are dropped.
+
+Each rule maps a name to a `Slot`: which k3text parameter (a path inside one decoder layer, or a
+global one), where inside it the tensor goes (expert index, gate/up half, fused-conv part) and
+how the HF array is reshaped into the k3text layout (k3text kernels are [in, out]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+import numpy as np
+
+from k3text.config import Config
+
+# Parameters the k3text model stores as [in, out] (HF Linear weights are [out, in]).
+_LINEAR = "linear"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one HF tensor lands in the k3text parameter tree.
+
+    path:   parameter path relative to a decoder layer (`layer` set) or to the model.
+    layer:  0-based decoder layer, or None for global parameters.
+    index:  numpy index into the destination parameter (after any layer stacking), e.g.
+            (expert,) or (slice(None), 1, slice(None)) for the up half of a fused MLP kernel.
+    kind:   how the HF array becomes the destination block (see `to_k3text`).
+    source: index into the HF array taken first (one part of a fused tensor).
+    """
+
+    path: tuple[str, ...]
+    layer: int | None
+    index: tuple = ()
+    kind: str = "copy"
+    source: tuple = ()
+
+
+DROPPED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+
+
+def to_k3text(cfg: Config, slot: Slot, array: np.ndarray) -> np.ndarray:
+    """Reshape one HF tensor into the block of its k3text parameter that `slot.index` names."""
+    kind = slot.kind
+    array = array[slot.source]
+    if kind == "copy":
+        return array
+    if kind == _LINEAR:
+        return array.T
+    if kind == "row":  # [1, D] AttnRes pseudo-queries
+        return array.reshape(-1)
+    if kind == "conv":  # [C, 1, W] depthwise conv -> [W, C]
+        return array.reshape(array.shape[0], -1).T
+    if kind == "a_log":  # [1, 1, H, 1] or [K] padded: the first H entries are meaningful
+        return array.reshape(-1)[: cfg.linear_attn_config.num_heads]
+    if kind == "kv_b":  # [H * (nope + v), kv_lora] -> [kv_lora, H, nope + v]
+        return array.T.reshape(cfg.kv_lora_rank, cfg.num_attention_heads, -1)
+    if kind == "experts_fused":  # in-memory [E, out, in] already in k3text's expert layout
+        return array
+    raise ValueError(f"unknown slot kind {kind}")
+
+
+# --------------------------------------------------------------------------------------------
+# Rules: (regex over the name after the layer prefix, builder) per layout.
+# --------------------------------------------------------------------------------------------
+
+Builder = Callable[[Config, re.Match], Slot | list[Slot]]
+
+
+def _linear(*path: str) -> Builder:
+    return lambda cfg, m: Slot(path, None, (), _LINEAR)
+
+
+def _copy(*path: str, kind: str = "copy") -> Builder:
+    return lambda cfg, m: Slot(path, None, (), kind)
+
+
+def _pair(path: tuple[str, ...], part: int) -> Builder:
+    """Gate (0) or up (1) half of a fused [hidden, 2, width] MLP kernel."""
+    return lambda cfg, m: Slot(path, None, (slice(None), part, slice(None)), _LINEAR)
+
+
+def _expert(name: str, part: int | None) -> Builder:
+    """One expert's matrix into the stacked [E, out, in] tensors (`part` picks the gate/up rows
+    of the fused gate_up; MXFP4 packed bytes and scales follow the same rows)."""
+
+    def build(cfg: Config, m: re.Match) -> Slot:
+        e = int(m["expert"])
+        suffix = m.groupdict().get("q") or ""
+        leaf = {"": "", "weight_packed": "_packed", "weight_scale": "_scale"}[suffix]
+        if part is None:
+            return Slot(("mlp", "experts", f"{name}{leaf}"), None, (e,))
+        f = cfg.moe_intermediate_size
+        rows = slice(part * f, (part + 1) * f)
+        return Slot(("mlp", "experts", f"gate_up{leaf}"), None, (e, rows))
+
+    return build
+
+
+def _fused_conv(cfg: Config, m: re.Match) -> list[Slot]:
+    """transformers' fused conv1d [3C, 1, W] over concat(q, k, v) -> three [W, C] kernels."""
+    width = cfg.linear_attn_config.num_heads * cfg.linear_attn_config.head_dim
+    return [Slot(("mixer", name), None, (), "conv", (slice(i * width, (i + 1) * width),))
+            for i, name in enumerate(("q_conv", "k_conv", "v_conv"))]
+
+
+_KDA_COMMON = [
+    (r"self_attn\.(?P<p>[qkv])_proj\.weight", lambda cfg, m: Slot(("mixer", f"{m['p']}_proj"),
+                                                                  None, (), _LINEAR)),
+    (r"self_attn\.b_proj\.weight", _linear("mixer", "b_proj")),
+    (r"self_attn\.g_a_proj\.weight", _linear("mixer", "g_a_proj")),
+    (r"self_attn\.g_b_proj\.weight", _linear("mixer", "g_b_proj")),
+    (r"self_attn\.o_norm\.weight", _copy("mixer", "o_norm")),
+    (r"self_attn\.o_proj\.weight", _linear("mixer", "o_proj")),
+]
+_KDA_SEPARATE = [
+    (r"self_attn\.(?P<p>[qkv])_conv1d\.weight", lambda cfg, m: Slot(("mixer", f"{m['p']}_conv"),
+                                                                    None, (), "conv")),
+    (r"self_attn\.f_a_proj\.weight", _linear("mixer", "f_a_proj")),
+    (r"self_attn\.f_b_proj\.weight", _linear("mixer", "f_b_proj")),
+    (r"self_attn\.A_log", _copy("mixer", "A_log", kind="a_log")),
+    (r"self_attn\.dt_bias", _copy("mixer", "dt_bias")),
+]
+_MLA = [
+    (r"self_attn\.q_proj\.weight", _linear("mixer", "q_proj")),
+    (r"self_attn\.q_a_proj\.weight", _linear("mixer", "q_a_proj")),
+    (r"self_attn\.q_a_layernorm\.weight", _copy("mixer", "q_a_layernorm")),
+    (r"self_attn\.q_b_proj\.weight", _linear("mixer", "q_b_proj")),
+    (r"self_attn\.kv_a_proj_with_mqa\.weight", _linear("mixer", "kv_a_proj")),
+    (r"self_attn\.kv_a_layernorm\.weight", _copy("mixer", "kv_a_layernorm")),
+    (r"self_attn\.kv_b_proj\.weight", _copy("mixer", "kv_b_proj", kind="kv_b")),
+]
+_NORMS = [
+    (r"input_layernorm\.weight", _copy("input_layernorm", "weight")),
+    (r"post_attention_layernorm\.weight", _copy("post_attention_layernorm", "weight")),
+]
+
+
+def _mlp_rules(prefix: str) -> list:
+    return [
+        (rf"{prefix}\.gate_proj\.weight", _pair(("mlp", "wi"), 0)),
+        (rf"{prefix}\.up_proj\.weight", _pair(("mlp", "wi"), 1)),
+        (rf"{prefix}\.down_proj\.weight", _linear("mlp", "wo")),
+    ]
+
+
+def _moe_rules(prefix: str) -> list:
+    return [
+        (rf"{prefix}\.gate\.weight", _linear("mlp", "gate")),
+        (rf"{prefix}\.gate\.e_score_correction_bias", _copy("mlp", "e_score_correction_bias")),
+        (rf"{prefix}\.shared_experts\.gate_proj\.weight",
+         _pair(("mlp", "shared_experts", "wi"), 0)),
+        (rf"{prefix}\.shared_experts\.up_proj\.weight",
+         _pair(("mlp", "shared_experts", "wi"), 1)),
+        (rf"{prefix}\.shared_experts\.down_proj\.weight",
+         _linear("mlp", "shared_experts", "wo")),
+    ]
+
+
+def _moe_expert_rules(prefix: str, quantized: bool) -> list:
+    q = r"\.(?P<q>weight_packed|weight_scale)" if quantized else r"\.weight"
+    return [
+        (rf"{prefix}\.experts\.(?P<expert>\d+)\.w1{q}", _expert("gate_up", 0)),
+        (rf"{prefix}\.experts\.(?P<expert>\d+)\.w3{q}", _expert("gate_up", 1)),
+        (rf"{prefix}\.experts\.(?P<expert>\d+)\.w2{q}", _expert("down", None)),
+    ]
+
+
+LAYER_RULES: dict[str, list] = {
+    "moonshot": (_NORMS + _KDA_COMMON + _KDA_SEPARATE + _MLA
+                 + _mlp_rules(r"block_sparse_moe") + _mlp_rules(r"mlp")
+                 + _moe_rules("block_sparse_moe")
+                 + _moe_expert_rules("block_sparse_moe", quantized=False)),
+    "transformers": (_NORMS + _KDA_COMMON + _MLA + [
+        (r"self_attn\.conv1d\.weight", _fused_conv),
+        (r"self_attn\.forget_gate\.f_a_proj\.weight", _linear("mixer", "f_a_proj")),
+        (r"self_attn\.forget_gate\.f_b_proj\.weight", _linear("mixer", "f_b_proj")),
+        (r"self_attn\.forget_gate\.A_log", _copy("mixer", "A_log", kind="a_log")),
+        (r"self_attn\.forget_gate\.dt_bias", _copy("mixer", "dt_bias")),
+        (r"mlp\.experts\.gate_up_proj", _copy("mlp", "experts", "gate_up", kind="experts_fused")),
+        (r"mlp\.experts\.down_proj", _copy("mlp", "experts", "down", kind="experts_fused")),
+    ] + _mlp_rules("mlp") + _moe_rules("mlp")),
+    "k3": (_NORMS + _KDA_COMMON + _KDA_SEPARATE + _MLA + _mlp_rules("mlp") + [
+        (r"self_attn\.g_proj\.weight", _linear("mixer", "g_proj")),
+        (r"(?P<n>self_attention_res|mlp_res)_proj\.weight",
+         lambda cfg, m: Slot((f"{m['n']}_proj",), None, (), "row")),
+        (r"(?P<n>self_attention_res|mlp_res)_norm\.weight",
+         lambda cfg, m: Slot((f"{m['n']}_norm",), None, ())),
+        (r"block_sparse_moe\.routed_expert_down_proj\.weight",
+         _linear("mlp", "routed_expert_down_proj")),
+        (r"block_sparse_moe\.routed_expert_up_proj\.weight",
+         _linear("mlp", "routed_expert_up_proj")),
+        (r"block_sparse_moe\.routed_expert_norm\.weight", _copy("mlp", "routed_expert_norm")),
+    ] + _moe_rules("block_sparse_moe") + _moe_expert_rules("block_sparse_moe", quantized=True)),
+}
+
+GLOBAL_RULES = [
+    (r"model\.embed_tokens\.weight", _copy("embed", "table")),
+    (r"model\.norm\.weight", _copy("norm", "weight")),
+    (r"lm_head\.weight", _linear("lm_head", "kernel")),
+    (r"model\.output_attn_res_proj\.weight", _copy("output_attn_res_proj", kind="row")),
+    (r"model\.output_attn_res_norm\.weight", _copy("output_attn_res_norm")),
+]
+
+_LAYER = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<rest>.+)")
+
+
+class UnknownTensorError(KeyError):
+    """A checkpoint tensor no rule of the layout knows."""
+
+
+def strip_prefix(name: str, layout: str) -> str | None:
+    """The text-model name, or None for tensors the text stack drops (vision tower)."""
+    if layout == "k3":
+        if name.startswith(DROPPED_PREFIXES):
+            return None
+        if not name.startswith("language_model."):
+            raise UnknownTensorError(f"'{name}' is not under 'language_model.' nor a vision "
+                                     f"tensor")
+        return name.removeprefix("language_model.")
+    return name
+
+
+def slots_for(cfg: Config, name: str, layout: str) -> list[Slot] | None:
+    """The k3text slots an HF tensor fills, or None when it is dropped (vision tensors)."""
+    text = strip_prefix(name, layout)
+    if text is None:
+        return None
+    m = _LAYER.fullmatch(text)
+    if m is None:
+        rules, rest, layer = GLOBAL_RULES, text, None
+    else:
+        rules, rest, layer = LAYER_RULES[layout], m["rest"], int(m["layer"])
+        if layer >= cfg.num_hidden_layers:
+            raise UnknownTensorError(f"'{name}': layer {layer} but the model has "
+                                     f"{cfg.num_hidden_layers}")
+    for pattern, build in rules:
+        match = re.fullmatch(pattern, rest)
+        if match:
+            built = build(cfg, match)
+            slots = built if isinstance(built, list) else [built]
+            return [dataclasses.replace(s, layer=layer) for s in slots]
+    raise UnknownTensorError(f"no {layout} name rule for tensor '{name}'")
+
+
+def detect_layout(config_json: dict, names: list[str]) -> str:
+    """Which name table a checkpoint uses, from its config.json and tensor names."""
+    if config_json.get("model_type") == "kimi_k3" or "text_config" in config_json:
+        return "k3"
+    if any(n.endswith("self_attn.conv1d.weight") or ".mlp.experts.gate_up_proj" in n
+           for n in names):
+        return "transformers"
+    return "moonshot"
