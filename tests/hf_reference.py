@@ -1,4 +1,4 @@
-"""Tiny transformers Kimi Linear models with fan-in scaled random weights, and their k3text twins."""
+"""Tiny transformers Kimi Linear models (fan-in scaled random weights) and their k3text twins."""
 
 from __future__ import annotations
 

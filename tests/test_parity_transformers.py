@@ -1,4 +1,4 @@
-"""k3text's Kimi Linear forward against transformers' `KimiLinearForCausalLM` on the same weights."""
+"""The Kimi Linear forward against transformers' KimiLinearForCausalLM on the same weights."""
 
 import jax
 import numpy as np

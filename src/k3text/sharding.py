@@ -183,8 +183,12 @@ def tree_shardings(logical_tree: Any, shapes: Any, ctx: MeshContext) -> Any:
                 )
         return NamedSharding(ctx.mesh, spec)
 
-    return jax.tree_util.tree_map_with_path(
-        one, logical_tree, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree_util.tree_map_with_path(one, logical_tree, shapes, is_leaf=is_logical)
+
+
+def is_logical(x: Any) -> bool:
+    """A logical-axes tuple (names or None per dimension) is a leaf of a logical tree."""
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
 def state_shardings(state: Any, ctx: MeshContext) -> Any:

@@ -16,13 +16,14 @@ Three modes share all of it:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3text.config import Config, LayerSpec, ModelStructure
+from k3text.inference.state import DecodeState
 from k3text.layers import attn_res
 from k3text.layers.attention_kda import KDAAttention, KDAState
 from k3text.layers.attention_mla import MLAAttention
@@ -31,16 +32,6 @@ from k3text.layers.initializers import Init, weight_dtype
 from k3text.layers.mlp import MLP
 from k3text.layers.moe import MoE
 from k3text.layers.normalizations import RMSNorm
-
-
-class DecodeState(NamedTuple):
-    """Everything a sequence slot carries between steps (see k3text.inference.state)."""
-
-    kda_recurrent: jax.Array  # [n_kda, B, H, K, V] float32
-    kda_conv: jax.Array  # [n_kda, B, W-1, 3, H*K]
-    mla_cache: jax.Array  # [n_mla, B, S, kv_lora + rope] in mla_cache_dtype
-    lengths: jax.Array  # [B] int32: tokens already in the cache per slot
-
 
 # (mixer, spec, kda slot, mla slot, normed input, state) -> (mixer output, state)
 MixerRun = Callable[[nnx.Module, LayerSpec, Any, Any, jax.Array, Any], tuple[jax.Array, Any]]
@@ -197,8 +188,9 @@ class Decoder(nnx.Module):
     def prefill(self, tokens: jax.Array, valid: jax.Array, state: DecodeState,
                 start: jax.Array) -> tuple[jax.Array, DecodeState]:
         """One prefill chunk: tokens [B, C] at absolute positions [start, start + C); rows may
-        end early (`valid` [B, C], padding after the real tokens). Returns the chunk's logits
-        [B, C, vocab] and the state with the chunk absorbed."""
+        end early (`valid` [B, C], padding after the real tokens). Returns the logits [B, vocab]
+        at each row's last real token of the chunk (garbage for rows with none) and the state
+        with the chunk absorbed. Only those B positions go through the LM head."""
 
         def run(mixer, spec, kda_slot, mla_slot, h, state):
             if spec.mixer == "kda":
@@ -211,8 +203,15 @@ class Decoder(nnx.Module):
             return a, state._replace(mla_cache=_set(state.mla_cache, mla_slot, cache))
 
         stream, state = self._layers(self._stream(tokens), state, run)
-        lengths = jnp.where(jnp.any(valid, axis=1),
-                            start + jnp.sum(valid, axis=1, dtype=jnp.int32), state.lengths)
+        count = jnp.sum(valid, axis=1, dtype=jnp.int32)
+        lengths = jnp.where(count > 0, start + count, state.lengths)
+        rows = jnp.arange(tokens.shape[0])
+        last = jnp.maximum(count - 1, 0)
+        if self.cfg.attn_res_block_size:
+            stream = stream._replace(prefix_sum=stream.prefix_sum[rows, last],
+                                     blocks=stream.blocks[:, rows, last])
+        else:
+            stream = stream[rows, last]
         return self._logits(stream), state._replace(lengths=lengths)
 
     def decode(self, tokens: jax.Array, state: DecodeState, absorbed: bool = True,
