@@ -100,17 +100,23 @@ def maybe_initialize_distributed(cfg: Config) -> None:
 
 
 def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The [data, expert, tensor] mesh the config describes, over `devices` (default: all)."""
+    """The [data, expert, tensor] mesh the config describes, over `devices` (default: all).
+
+    A single process with more devices than the mesh needs uses the first ones (and says so);
+    several processes must fill the mesh exactly.
+    """
     devices = list(jax.devices() if devices is None else devices)
     shape = cfg.mesh_shape
-    if math.prod(shape.values()) != len(devices):
+    needed = math.prod(shape.values())
+    if needed < len(devices) and jax.process_count() == 1:
+        log.info("mesh uses %d of %d devices", needed, len(devices))
+        devices = devices[:needed]
+    if needed != len(devices):
         sizes = ", ".join(
             f"{a}={cfg[f'ici_{a}_parallelism']}x{cfg[f'dcn_{a}_parallelism']}" for a in MESH_AXES
         )
-        raise ConfigError(
-            f"mesh ({sizes}) needs {math.prod(shape.values())} devices, but {len(devices)} "
-            f"are available"
-        )
+        raise ConfigError(f"mesh ({sizes}) needs {needed} devices, but {len(devices)} are "
+                          f"available")
     dims = [shape[a] for a in MESH_AXES]
     if jax.process_count() > 1 or any(cfg[f"dcn_{a}_parallelism"] > 1 for a in MESH_AXES):
         # Let JAX order devices by physical topology; data placement never depends on this

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from k3text import sharding
 from k3text.config import Config, ConfigError
@@ -85,7 +86,7 @@ class Engine:
     def _step_impl(self, params, tokens, state, key):
         logits, state = self._model(params).decode(tokens, state)
         next_tokens, logprobs = sampling.sample(self.cfg, logits, key)
-        return next_tokens, logprobs, state
+        return next_tokens, logprobs, logits, state
 
     def _loop_impl(self, params, first_logits, state, active, key, max_steps: int):
         cfg = self.cfg
@@ -164,8 +165,9 @@ class Engine:
         return logits, state
 
     def step(self, tokens: jax.Array, state: DecodeState, key: jax.Array,
-             ) -> tuple[jax.Array, jax.Array, DecodeState]:
-        """One decode step: (next tokens [B], their log-probabilities [B], new state)."""
+             ) -> tuple[jax.Array, jax.Array, jax.Array, DecodeState]:
+        """One decode step for tokens [B]: (sampled next tokens [B], their log-probabilities
+        [B], the logits [B, vocab], new state)."""
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             return self._step(self.params, tokens, state, key)
 
@@ -184,7 +186,7 @@ class Engine:
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             out, logprobs, produced, steps, _ = self._loop(self.params, logits, state, active,
                                                            key, max_steps=max_steps)
-            out, logprobs, produced, steps = jax.device_get((out, logprobs, produced, steps))
+            out, logprobs, produced, steps = _to_host((out, logprobs, produced, steps))
         t2 = time.perf_counter()
         eos = None if cfg.ignore_eos else cfg.eos_token_id
         outputs, lps, reasons = [], [], []
@@ -196,6 +198,13 @@ class Engine:
             reasons.append("eos" if eos is not None and ids and ids[-1] == eos else "length")
         return Generation([list(p) for p in prompts], outputs, lps, reasons, t1 - t0, t2 - t1,
                           int(steps))
+
+
+def _to_host(tree: Any) -> Any:
+    """Fetch results to every host (all-gathering across processes when there are several)."""
+    if jax.process_count() > 1:
+        return multihost_utils.process_allgather(tree, tiled=True)
+    return jax.device_get(tree)
 
 
 def place_model(model: Decoder, ctx: sharding.MeshContext) -> Decoder:

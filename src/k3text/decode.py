@@ -1,0 +1,284 @@
+"""Offline decoding: `python -m k3text.decode CONFIG [key=value ...]`.
+
+One token's path through the stack: config -> mesh -> parameters (an Orbax checkpoint from
+tools/convert, or seeded random weights) -> prompts (text, ids, or a JSONL file batched by a
+grain pipeline) -> `Engine.generate` (chunked prefill, on-device decode loop, sampling) ->
+JSONL results and a summary.
+
+Prompt sources, in order of precedence: `prompts_file`, `prompt_ids`, `prompt`,
+`builtin_prompts` (the shipped model's fact prompts, scored). With none given, the built-in set
+is used when the model ships one, else a single default prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+from tqdm import tqdm
+
+from k3text import sharding
+from k3text.checkpoint.safetensors_io import CheckpointError
+from k3text.config import Config, ConfigError, load_config
+from k3text.inference.engine import Engine, Generation, place_model
+from k3text.layers.initializers import Init
+from k3text.models.decoder import Decoder
+from k3text.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger("k3text.decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    index: int  # position in the input, which is also the output order
+    prompt_ids: tuple[int, ...]
+    prompt: str | None = None  # the text, when the prompt came as text
+    expected: str | None = None  # the known answer of a built-in prompt
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts.
+# --------------------------------------------------------------------------------------------
+
+
+def parse_ids(text: str, where: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
+    except ValueError:
+        raise ConfigError(f"{where}: expected comma-separated token ids, got {text!r}") from None
+    if not ids:
+        raise ConfigError(f"{where}: no token ids in {text!r}")
+    return ids
+
+
+def _encode(text: str, tokenizer: Tokenizer | None, cfg: Config, where: str) -> tuple[int, ...]:
+    if tokenizer is None:
+        raise ConfigError(f"{where} is text but tokenizer_type is 'none'; give prompt_ids or "
+                          f"set tokenizer_type / tokenizer_path")
+    ids = tokenizer.encode(text)
+    if cfg.add_bos:
+        bos = tokenizer.bos_id if tokenizer.bos_id is not None else cfg.bos_token_id
+        ids = [bos, *ids]
+    return tuple(ids)
+
+
+def read_prompts_file(path: str, tokenizer: Tokenizer | None, cfg: Config) -> list[Request]:
+    """Parse and validate every line of a JSONL prompts file before any decoding starts."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"prompts_file not found: {path}") from None
+    requests = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where}: invalid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or ("prompt" in record) == ("prompt_ids" in record):
+            raise ConfigError(f"{where}: each line must be an object with exactly one of "
+                              f"\"prompt\" (string) or \"prompt_ids\" (list of int)")
+        if "prompt_ids" in record:
+            ids = record["prompt_ids"]
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ConfigError(f"{where}: \"prompt_ids\" must be a non-empty list of int")
+            requests.append(Request(len(requests), tuple(ids)))
+        else:
+            if not isinstance(record["prompt"], str):
+                raise ConfigError(f"{where}: \"prompt\" must be a string")
+            requests.append(Request(len(requests), _encode(record["prompt"], tokenizer, cfg,
+                                                           where), record["prompt"]))
+    if not requests:
+        raise ConfigError(f"prompts_file {path} holds no prompts")
+    return requests
+
+
+def builtin_requests(cfg: Config, tokenizer: Tokenizer | None) -> list[Request]:
+    from k3text import corpus
+
+    return [Request(i, _encode(text, tokenizer, cfg, "built-in prompt"), text, expected)
+            for i, (text, expected) in enumerate(corpus.builtin_prompts(cfg.corpus_seed))]
+
+
+def collect_requests(cfg: Config, tokenizer: Tokenizer | None) -> list[Request]:
+    if cfg.prompts_file:
+        return read_prompts_file(cfg.prompts_file, tokenizer, cfg)
+    if cfg.prompt_ids:
+        return [Request(0, parse_ids(cfg.prompt_ids, "prompt_ids"))]
+    if cfg.prompt:
+        return [Request(0, _encode(cfg.prompt, tokenizer, cfg, "prompt"), cfg.prompt)]
+    if cfg.builtin_prompts:
+        return builtin_requests(cfg, tokenizer)
+    # No prompt given: one fixed prompt that any model can run.
+    ids = _encode("The capital of", tokenizer, cfg, "the default prompt") if tokenizer else (
+        cfg.bos_token_id,)
+    return [Request(0, ids, "The capital of" if tokenizer else None)]
+
+
+def batches(requests: list[Request], batch: int) -> grain.MapDataset:
+    """The grain pipeline over the prompts, in global batches of `batch`.
+
+    Every process walks the same (small, already validated) request list; when several hosts
+    decode one file, each host materialises only the rows of a batch that its own devices hold
+    (the engine builds inputs with `make_array_from_callback`), so the work of feeding the
+    batch is split across processes by the batch sharding itself.
+    """
+    return grain.MapDataset.source(requests).batch(batch, batch_fn=list)
+
+
+# --------------------------------------------------------------------------------------------
+# Output.
+# --------------------------------------------------------------------------------------------
+
+
+def result_records(cfg: Config, requests: Sequence[Request], gen: Generation,
+                   tokenizer: Tokenizer | None) -> list[dict[str, Any]]:
+    records = []
+    for i, request in enumerate(requests):
+        record: dict[str, Any] = {"prompt_ids": list(request.prompt_ids)}
+        if request.prompt is not None:
+            record["prompt"] = request.prompt
+        record["output_ids"] = gen.output_ids[i]
+        if tokenizer is not None:
+            # Models pad their vocabulary past the tokenizer's; padding ids have no text.
+            known = [t for t in gen.output_ids[i] if t < tokenizer.vocab_size]
+            record["output_text"] = tokenizer.decode(known)
+        record["finish_reason"] = gen.finish_reasons[i]
+        if cfg.return_log_prob:
+            record["output_logprobs"] = gen.output_logprobs[i]
+        if request.expected is not None:
+            from k3text import corpus
+
+            record["expected"] = request.expected
+            record["correct"] = corpus.score(request.expected, record.get("output_text", ""))
+        records.append(record)
+    return records
+
+
+def write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
+    """Write atomically: a temp file beside the target, renamed into place."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def print_results(records: list[dict[str, Any]], out=sys.stdout) -> None:
+    for record in records:
+        shown = record.get("prompt", record["prompt_ids"])
+        completion = record.get("output_text", record["output_ids"])
+        mark = ""
+        if "correct" in record:
+            mark = "  [correct]" if record["correct"] else f"  [wrong: expected " \
+                                                           f"{record['expected']!r}]"
+        print(f"> {shown!r}\n  {completion!r}{mark}", file=out)
+    scored = [r["correct"] for r in records if "correct" in r]
+    if scored:
+        print(f"accuracy: {sum(scored)}/{len(scored)} = {sum(scored) / len(scored):.1%}",
+              file=out)
+
+
+def summary(gens: list[Generation], prompts: int) -> str:
+    prefill = sum(g.prefill_seconds for g in gens)
+    decode = sum(g.decode_seconds for g in gens)
+    tokens = sum(g.generated_tokens for g in gens)
+    steps = sum(g.decode_steps for g in gens)
+    # The first token of each sequence comes from prefill; the loop produces the rest.
+    loop_tokens = tokens - sum(len(g.output_ids) for g in gens)
+    return (f"prompts {prompts} | generated tokens {tokens} | time to first token "
+            f"{prefill / max(len(gens), 1) * 1e3:.1f} ms/batch | decode "
+            f"{loop_tokens / decode if decode else 0.0:.1f} tokens/s | per step "
+            f"{decode / max(steps - len(gens), 1) * 1e3:.2f} ms (includes compile on the first "
+            f"batch)")
+
+
+# --------------------------------------------------------------------------------------------
+# Main.
+# --------------------------------------------------------------------------------------------
+
+
+def enable_compilation_cache(cfg: Config) -> None:
+    """Reuse compiled programs across runs: the second run of a command skips XLA compiles.
+    A cache the embedding program already configured is left in place."""
+    if cfg.compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir",
+                          os.path.expanduser(cfg.compilation_cache_dir))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def build(cfg: Config) -> tuple[Engine, sharding.MeshContext]:
+    """Mesh, parameters in their shardings, and the engine."""
+    mesh = sharding.make_mesh(cfg)
+    ctx = sharding.MeshContext(mesh, cfg.logical_axis_rules)
+    if cfg.load_parameters_path:
+        from k3text.checkpoint import load_model
+
+        model = load_model(cfg, ctx, cfg.load_parameters_path)
+    else:
+        log.info("no load_parameters_path: random weights from init_seed=%d", cfg.init_seed)
+        model = place_model(Decoder(cfg, Init(cfg.init_seed)), ctx)
+    return Engine(cfg, model, ctx), ctx
+
+
+def run(cfg: Config) -> list[dict[str, Any]]:
+    tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path or None)
+    requests = collect_requests(cfg, tokenizer)
+    engine, ctx = build(cfg)
+    engine.check_prompts([r.prompt_ids for r in requests], cfg.max_decode_steps)
+    batch = cfg.global_batch_size
+    records: list[dict[str, Any]] = []
+    gens = []
+    bar = tqdm(total=len(requests), desc="decode", unit="prompt", file=sys.stderr,
+               disable=not cfg.progress or jax.process_index() != 0)
+    for group in batches(requests, batch):
+        gen = engine.generate([r.prompt_ids for r in group], batch=batch)
+        gens.append(gen)
+        records += result_records(cfg, group, gen, tokenizer)
+        bar.update(len(group))
+    bar.close()
+    if jax.process_index() == 0:
+        print_results(records)
+        print(summary(gens, len(records)))
+        if cfg.output_file:
+            write_jsonl(cfg.output_file, records)
+    return records
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\nusage: python -m k3text.decode CONFIG [key=value ...]")
+        return 0 if argv else 2
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+    try:
+        cfg = load_config(argv[0], argv[1:])
+        enable_compilation_cache(cfg)
+        sharding.maybe_initialize_distributed(cfg)
+        run(cfg)
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

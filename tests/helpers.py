@@ -1,0 +1,34 @@
+"""Shared test helpers: configs, meshes and engines for the tiny models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+
+from k3text import sharding
+from k3text.config import Config, load_config
+from k3text.inference.engine import Engine, place_model
+from k3text.layers.initializers import Init
+from k3text.models.decoder import Decoder
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "configs" / "models"
+
+
+def tiny_config(name: str, *overrides: str) -> Config:
+    """A tiny model config at full fp32 precision (references compare at `highest`)."""
+    return load_config(MODELS / f"{name}.yml",
+                       ["matmul_precision=highest", "weight_dtype=float32", "dtype=float32",
+                        *overrides])
+
+
+def mesh_context(cfg: Config, devices: int | None = None) -> sharding.MeshContext:
+    devices = jax.devices()[: devices or cfg.num_devices]
+    return sharding.MeshContext(sharding.make_mesh(cfg, devices), cfg.logical_axis_rules)
+
+
+def engine_for(cfg: Config, model: Decoder | None = None, seed: int = 0) -> Engine:
+    ctx = mesh_context(cfg)
+    model = Decoder(cfg, Init(seed)) if model is None else model
+    return Engine(cfg, place_model(model, ctx), ctx)

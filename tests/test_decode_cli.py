@@ -1,0 +1,75 @@
+"""`python -m k3text.decode`: prompt sources, output records, and user errors."""
+
+import json
+
+import pytest
+
+from k3text.decode import main
+
+from helpers import MODELS
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "tiny.yml"
+    path.write_text(f"model_config: {MODELS / 'k3-tiny.yml'}\n"
+                    "tokenizer_type: byte\nvocab_size: 260\nbos_token_id: 256\n"
+                    "eos_token_id: 257\npad_token_id: 258\nmax_decode_steps: 4\n"
+                    "per_device_batch_size: 2\nprogress: false\n")
+    return str(path)
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_prompt_ids_to_output_file(config, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    assert main([config, "prompt_ids=1,2,3", f"output_file={out}", "return_log_prob=true",
+                 "ignore_eos=true"]) == 0
+    [record] = read(out)
+    assert record["prompt_ids"] == [1, 2, 3]
+    assert len(record["output_ids"]) == 4 == len(record["output_logprobs"])
+    assert record["finish_reason"] == "length"
+    assert all(lp <= 0 for lp in record["output_logprobs"])
+    assert "decode" in capsys.readouterr().out
+
+
+def test_prompts_file_keeps_input_order_across_batches(config, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "hello"}, {"prompt_ids": [5, 6]}, {"prompt": "a longer prompt here"}]
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main([config, f"prompts_file={prompts}", f"output_file={out}"]) == 0
+    records = read(out)
+    assert [r.get("prompt") for r in records] == ["hello", None, "a longer prompt here"]
+    assert records[1]["prompt_ids"] == [5, 6]
+    assert records[0]["prompt_ids"][0] == 256  # bos prepended to text prompts
+    assert all("output_text" in r and r["finish_reason"] in ("eos", "length") for r in records)
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"prompt": "ok"}\n{"prompt": \n', "prompts.jsonl:2: invalid JSON"),
+    ('{"prompt_ids": [1, "x"]}\n', "prompts.jsonl:1: \"prompt_ids\" must be a non-empty list"),
+    ('{"text": "no"}\n', "prompts.jsonl:1: each line must be an object with exactly one of"),
+])
+def test_malformed_prompts_file_names_the_line(config, tmp_path, capsys, content, message):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(content)
+    out = tmp_path / "out.jsonl"
+    assert main([config, f"prompts_file={prompts}", f"output_file={out}"]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["prompt_ids=1,2,3", "max_decode_steps=200"], "exceeds max_target_length=128"),
+    (["prompt_ids=" + ",".join(["7"] * 65)], "more than max_prefill_predict_length=64"),
+    (["prompt=hi", "tokenizer_type=none"], "prompt is text but tokenizer_type is 'none'"),
+    (["prompt_ids=1,x"], "expected comma-separated token ids"),
+    (["prompt_ids=1,999"], "outside [0, vocab_size=260)"),
+])
+def test_user_errors_exit_2_with_one_message(config, capsys, args, message):
+    assert main([config, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith("error: ")

@@ -1,0 +1,64 @@
+"""Sampling strategies with MaxText's keys."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3text.inference.sampling import sample
+
+from helpers import tiny_config
+
+LOGITS = jnp.asarray([[0.0, 3.0, 2.5, -1.0, 1.0, 2.9]], jnp.float32)
+
+
+def draws(cfg, n=400):
+    keys = jax.random.split(jax.random.key(0), n)
+    tokens, logprobs = jax.vmap(lambda k: sample(cfg, LOGITS, k))(keys)
+    return np.asarray(tokens[:, 0]), np.asarray(logprobs[:, 0])
+
+
+def cfg_with(*overrides):
+    return tiny_config("kimi-linear-tiny", *overrides)
+
+
+def test_greedy_is_argmax_and_logprob_is_unmodified():
+    tokens, logprobs = draws(cfg_with("decode_sampling_strategy=greedy"), 4)
+    assert set(tokens) == {1}
+    np.testing.assert_allclose(logprobs, jax.nn.log_softmax(LOGITS)[0, 1], rtol=1e-6)
+
+
+def test_topk_only_draws_the_top_k():
+    tokens, logprobs = draws(cfg_with("decode_sampling_strategy=topk", "decode_sampling_top_k=2"))
+    assert set(tokens) == {1, 5}
+    # Log-probabilities are under the unmodified distribution, not the truncated one.
+    np.testing.assert_allclose(logprobs, jax.nn.log_softmax(LOGITS)[0, tokens], rtol=1e-6)
+
+
+def test_nucleus_keeps_the_smallest_set_reaching_p():
+    probs = np.asarray(jax.nn.softmax(LOGITS))[0]
+    p = probs[1] + probs[5] - 1e-3  # the top two tokens reach p, the top one alone does not
+    tokens, _ = draws(cfg_with("decode_sampling_strategy=nucleus",
+                               f"decode_sampling_nucleus_p={p}"))
+    assert set(tokens) == {1, 5}
+
+
+def test_composite_applies_topk_then_nucleus_then_temperature():
+    tokens, _ = draws(cfg_with("decode_sampling_strategy=composite", "decode_sampling_top_k=3",
+                               "decode_sampling_nucleus_p=1.0",
+                               "decode_sampling_temperature=0.05"))
+    assert set(tokens) <= {1, 2, 5} and (tokens == 1).mean() > 0.8
+
+
+@pytest.mark.parametrize("temperature,expect_spread", [(1.0, True), (0.01, False)])
+def test_weighted_temperature(temperature, expect_spread):
+    tokens, _ = draws(cfg_with("decode_sampling_strategy=weighted",
+                               f"decode_sampling_temperature={temperature}"))
+    assert (len(set(tokens)) > 3) == expect_spread
+
+
+def test_same_seed_same_tokens():
+    cfg = cfg_with("decode_sampling_strategy=weighted")
+    a = sample(cfg, jnp.tile(LOGITS, (8, 1)), jax.random.key(3))[0]
+    b = sample(cfg, jnp.tile(LOGITS, (8, 1)), jax.random.key(3))[0]
+    np.testing.assert_array_equal(a, b)
