@@ -381,7 +381,7 @@ class ModelStructure:
         return sum(spec.mixer == "mla" for spec in self.layers)
 
     @staticmethod
-    def from_config(cfg: Config, scan: bool | None = None) -> ModelStructure:
+    def from_config(cfg: Config) -> ModelStructure:
         n = cfg.num_hidden_layers
         mla = {i - 1 for i in cfg.linear_attn_config.full_attn_layers}
         layers = []
@@ -393,8 +393,7 @@ class ModelStructure:
             )
             layers.append(LayerSpec("mla" if i in mla else "kda", "moe" if is_moe else "dense"))
         layers = tuple(layers)
-        use_scan = cfg.scan_layers if scan is None else scan
-        plan = find_scan_plan(layers) if use_scan else ScanPlan(n, 0, 0, 0)
+        plan = find_scan_plan(layers)
         kda_index, mla_index, counts = [], [], {"kda": 0, "mla": 0}
         for spec in layers:
             kda_index.append(counts["kda"] if spec.mixer == "kda" else -1)

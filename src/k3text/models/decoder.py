@@ -1,11 +1,13 @@
 """The decoder: embedding -> layers (leading, scanned groups, trailing) -> final norm -> logits.
 
 The layer pattern comes from the config (`full_attn_layers`, `first_k_dense_replace`); the
-repeating group (K3: KDA, KDA, KDA, MLA) is found by `config.find_scan_plan` and its repeats
-run as one `lax.scan` over stacked parameters, so compile time and XLA temporaries stay flat
-in depth. The residual stream (plain, or AttnRes blocks) and the decode state ride in the scan
-carry; per-layer indices (AttnRes block boundaries, KDA/MLA state slots) are computed from the
-scan index, never from the position inside a group.
+repeating group (K3: KDA, KDA, KDA, MLA) is found by `config.find_scan_plan`, its repeats hold
+stacked parameters and run as one `lax.scan`, so compile time and XLA temporaries stay flat in
+depth. `scan_layers: false` unrolls the same stacked groups at trace time (same parameter tree,
+same checkpoints), which is how the scan is tested. The residual stream (plain, or AttnRes
+blocks) and the decode state ride in the scan carry; per-layer indices (AttnRes block
+boundaries, KDA/MLA state slots) are computed from the scan index, never from the position
+inside a group.
 
 Three modes share all of it:
 - `forward(tokens)`: full sequence, no cache (reference and training);
@@ -152,9 +154,13 @@ class Decoder(nnx.Module):
                 mla = mla + (spec.mixer == "mla")
             return (stream, state), None
 
-        (stream, state), _ = jax.lax.scan(body, (stream, state),
-                                          (jnp.arange(plan.num_groups), params))
-        return stream, state
+        carry = (stream, state)
+        if self.cfg.scan_layers:
+            carry, _ = jax.lax.scan(body, carry, (jnp.arange(plan.num_groups), params))
+        else:
+            for g in range(plan.num_groups):
+                carry, _ = body(carry, (g, jax.tree.map(lambda p, g=g: p[g], params)))
+        return carry
 
     def _logits(self, stream: Any) -> jax.Array:
         cfg = self.cfg
