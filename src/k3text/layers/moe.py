@@ -303,7 +303,7 @@ class MoE(nnx.Module):
         if cfg.routed_expert_hidden_size:
             z = matmul(cfg, tokens, self.routed_expert_down_proj[...])
         params = {name: p[...] for name, p in self.experts.items()}
-        axes = {name: p.get_metadata()["axes"] for name, p in self.experts.items()}
+        axes = {name: spec[2] for name, spec in expert_param_shapes(cfg).items()}
         y = routed_experts(cfg, z, weights, ids, params, axes).astype(compute_dtype(cfg))
         if cfg.routed_expert_hidden_size:
             if cfg.latent_moe_use_norm:

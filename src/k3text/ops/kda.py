@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 __all__ = [
     "causal_conv1d",
@@ -153,6 +152,26 @@ def _causal_pairwise_decay(G: jax.Array) -> jax.Array:
     return jnp.exp(jnp.where(causal, diff, -jnp.inf))
 
 
+def _unit_lower_solve(lower: jax.Array, rhs: jax.Array,
+                      precision: jax.lax.PrecisionLike) -> jax.Array:
+    """Solve ``(I + lower) x = rhs`` for strictly-lower ``lower [..., C, C]`` by forward
+    substitution, one row per step of a ``lax.scan``.
+
+    Plain JAX on purpose: it partitions and lowers the same on every backend, where a LAPACK
+    custom call (``jax.scipy.linalg.solve_triangular`` on CPU) inside a multi-device program
+    stalled the collectives around it. Rows not yet solved are zero, so each step's matvec only
+    sees the solved ones; the cost equals a triangular solve's, ``O(C^2 D)``.
+    """
+
+    def solve_row(x, i):
+        row = rhs[..., i, :] - jnp.einsum("...j,...jd->...d", lower[..., i, :], x,
+                                          precision=precision)
+        return x.at[..., i, :].set(row), None
+
+    x, _ = jax.lax.scan(solve_row, jnp.zeros_like(rhs), jnp.arange(lower.shape[-1]))
+    return x
+
+
 def _kda_chunk(
     state: jax.Array,
     q: jax.Array,
@@ -175,9 +194,9 @@ def _kda_chunk(
 
     # Solve once for both the state-independent values (T V) and the state weights W.
     strict = jnp.tril(jnp.ones((c, c), dtype=bool), k=-1)
-    lhs = jnp.eye(c, dtype=_f32) + jnp.where(strict, beta[..., :, None] * a_kk, 0.0)
+    lower = jnp.where(strict, beta[..., :, None] * a_kk, 0.0)
     rhs = beta[..., None] * jnp.concatenate([v, k * gamma], axis=-1)
-    solved = solve_triangular(lhs, rhs, lower=True, unit_diagonal=True)
+    solved = _unit_lower_solve(lower, rhs, precision)
     u_local, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
 
     u = u_local - jnp.einsum("...ck,...kv->...cv", w, state, precision=precision)
@@ -208,7 +227,7 @@ def kda_chunked(
     Pairwise decays are differences of float32 cumulative sums, so their rounding error grows with
     the total decay over a chunk: at ``g = -5`` per channel and ``C = 64`` outputs differ from
     the recurrence by a few 1e-6 (about 1e-7 with mild decays). Smaller chunks tighten this.
-    ``precision`` applies to the einsums; the triangular solve has no precision setting.
+    ``precision`` applies to every einsum, the triangular solve included.
 
     Args:
       q, k, g: ``[B, T, H, K]``.
