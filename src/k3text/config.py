@@ -575,7 +575,10 @@ def _apply(values: dict[str, Any], flat: Mapping[str, Any], where: str,
             raise ConfigError(_unknown_key_message(key, where))
         if allowed is not None and key not in allowed:
             raise ConfigError(f"'{key}' in {where} is not a model key")
-        values[key] = _coerce(key, value, where)
+        value = _coerce(key, value, where)
+        if key == "logical_axis_rules":  # a file names only the rules it changes
+            value = {**values[key], **value}
+        values[key] = value
 
 
 def checkpoint_model_config(path: str | os.PathLike) -> dict[str, Any] | None:

@@ -1,14 +1,16 @@
-"""Place Hugging Face tensors into the k3text parameter tree.
+"""Place Hugging Face tensors into the k3text parameter tree, and back.
 
 `names.slots_for` says which parameter block each HF tensor fills; this module knows where each
 decoder layer lives in the (possibly scanned) tree: `lead.{i}`, `groups.layers.{j}` at stack
 index g, or `trail.{i}`. It is shared by the in-memory loader (tests, small models) and the
-streaming converter.
+streaming converter. The reverse direction (`tensor_groups`, `hf_tensors`) walks the parameter
+tree through the reverse name tables: it writes test checkpoints and counts what a checkpoint of
+a model config must hold.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -92,3 +94,61 @@ def model_from_params(cfg: Config, values: Mapping[Path, np.ndarray]) -> Decoder
     for path, var in nnx.to_flat_state(state):
         flat.append((path, var.replace(jax.numpy.asarray(values[_key(path)]))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+# --------------------------------------------------------------------------------------------
+# The reverse direction: k3text parameters -> HF tensors.
+# --------------------------------------------------------------------------------------------
+
+
+def param_name(path: Path) -> str:
+    """The '.'-joined name of a parameter path (how checkpoints and messages spell it)."""
+    return ".".join(str(p) for p in path)
+
+
+def layers_of(cfg: Config, path: Path) -> tuple[Path, tuple[int, ...]] | None:
+    """(path relative to its decoder layer, the layers it holds), or None for a global
+    parameter. The inverse of `layer_location`: a scanned parameter holds one layer per group."""
+    plan = cfg.structure.scan
+    match path:
+        case ("lead", i, *rest):
+            return tuple(rest), (int(i),)
+        case ("groups", "layers", j, *rest):
+            return tuple(rest), tuple(plan.lead + g * plan.period + int(j)
+                                      for g in range(plan.num_groups))
+        case ("trail", i, *rest):
+            return tuple(rest), (plan.lead + plan.period * plan.num_groups + int(i),)
+    return None
+
+
+def tensor_groups(cfg: Config, layout: str) -> Iterator[tuple[Path, int | None, list[str]]]:
+    """(parameter path, decoder layer or None, the HF names filling it there) for every
+    parameter of the model, in parameter order."""
+    for path in abstract_params(cfg):
+        path = _key(path)
+        held = layers_of(cfg, path)
+        if held is None:
+            yield path, None, names.global_tensor_names(layout, path)
+            continue
+        rel, layers = held
+        for layer in layers:
+            yield path, layer, names.layer_tensor_names(cfg, layout, rel, layer)
+
+
+def tensor_names(cfg: Config, layout: str) -> list[str]:
+    """Every HF tensor name a `layout` checkpoint of this model has (fused tensors once)."""
+    return list(dict.fromkeys(n for _, _, group in tensor_groups(cfg, layout) for n in group))
+
+
+def hf_tensors(cfg: Config, values: Mapping[Path, np.ndarray], layout: str,
+               ) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) for every tensor of a `layout` checkpoint holding `values` (flat
+    parameters keyed like `params_from_tensors` returns them); its inverse."""
+    for name in tensor_names(cfg, layout):
+        parts = []
+        for slot in names.slots_for(cfg, name, layout):
+            path, index = destination(cfg, slot)
+            block = np.asarray(values[_key(path)])[index]
+            parts.append(names.from_k3text(cfg, slot, block, layout))
+        # A fused tensor's parts are consecutive along its first axis (transformers' conv1d).
+        yield name, parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -1,16 +1,17 @@
-"""Hugging Face `config.json` -> k3text model keys.
+"""Hugging Face `config.json` <-> k3text model keys.
 
 Kimi Linear's config is flat; K3 wraps the text model's keys in `text_config` next to a
 `vision_config`. Keys keep their checkpoint names; HF's aliases (`num_experts_per_tok`,
 `n_group`, ...) are accepted. An absent feature key means Kimi Linear behaviour; a key the
-model cannot do without is an error naming it.
+model cannot do without is an error naming it. `config_json` writes the reverse (test
+checkpoints).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from k3text.config import ConfigError
+from k3text.config import Config, ConfigError
 
 # HF attribute aliases -> the checkpoint key names k3text uses.
 _ALIASES = {
@@ -93,3 +94,41 @@ def model_keys(config_json: dict[str, Any]) -> dict[str, Any]:
     name = config_json.get("_name_or_path") or config_json.get("model_type", "")
     keys["model_name"] = str(name)
     return keys
+
+
+# The compressed-tensors description of K3's MXFP4 routed experts (everything else unquantised).
+MXFP4_QUANTIZATION_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "format": "mxfp4-pack-quantized",
+        "targets": ["Linear"],
+        "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+                    "symmetric": True, "scale_dtype": "torch.uint8"},
+        "input_activations": None,
+    }},
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
+               r"re:.*mlp\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
+               "re:.*vision_tower.*", "re:.*mm_projector.*"],
+}
+
+
+def config_json(cfg: Config, layout: str) -> dict[str, Any]:
+    """The `config.json` of a `layout` checkpoint of the model `cfg` describes; `model_keys`
+    reads it back to the same model keys."""
+    text: dict[str, Any] = {"model_type": "kimi_linear", "_name_or_path": cfg.model_name}
+    for k in (*_COPIED, "first_k_dense_replace"):
+        text[k] = cfg[k]
+    for k in _ZERO_IF_NULL:
+        text[k] = cfg[k] or None
+    text["linear_attn_config"] = {
+        k: list(v) if isinstance(v := cfg[f"linear_attn_config.{k}"], tuple) else v
+        for k in _LINEAR_KEYS}
+    if cfg.expert_weight_format == "mxfp4":
+        text["quantization_config"] = MXFP4_QUANTIZATION_CONFIG
+    if layout == "k3":
+        return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+                "_name_or_path": cfg.model_name, "text_config": text,
+                "vision_config": {"model_type": "moonvit"}}
+    return {"architectures": ["KimiLinearForCausalLM"], **text}

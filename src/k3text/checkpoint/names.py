@@ -13,6 +13,10 @@ Layouts:
 Each rule maps a name to a `Slot`: which k3text parameter (a path inside one decoder layer, or a
 global one), where inside it the tensor goes (expert index, gate/up half, fused-conv part) and
 how the HF array is reshaped into the k3text layout (k3text kernels are [in, out]).
+
+The reverse direction (`layer_tensor_names`, `global_tensor_names`, `from_k3text`) names the HF
+tensors of a k3text parameter and shapes a parameter block back into its HF tensor; it writes
+test checkpoints and gives the inventory a model config expects.
 """
 
 from __future__ import annotations
@@ -69,6 +73,28 @@ def to_k3text(cfg: Config, slot: Slot, array: np.ndarray) -> np.ndarray:
         return array.T.reshape(cfg.kv_lora_rank, cfg.num_attention_heads, -1)
     if kind == "experts_fused":  # in-memory [E, out, in] already in k3text's expert layout
         return array
+    raise ValueError(f"unknown slot kind {kind}")
+
+
+def from_k3text(cfg: Config, slot: Slot, block: np.ndarray, layout: str) -> np.ndarray:
+    """The inverse of `to_k3text`: one k3text parameter block back into its HF tensor (or, for
+    a fused tensor, into the part `slot.source` selects). Only views where the HF layout allows,
+    so a zero-stride stand-in block gives the HF shape without allocating it."""
+    kind = slot.kind
+    if kind in ("copy", "experts_fused"):
+        return block
+    if kind == _LINEAR:
+        return block.T
+    if kind == "row":
+        return block.reshape(1, -1)
+    if kind == "conv":
+        return block.T.reshape(block.shape[1], 1, block.shape[0])
+    if kind == "a_log":
+        if layout == "k3":  # the released checkpoint pads A_log to head_dim
+            return np.pad(block, (0, cfg.linear_attn_config.head_dim - block.shape[0]))
+        return block.reshape(1, 1, -1, 1)
+    if kind == "kv_b":
+        return block.reshape(cfg.kv_lora_rank, -1).T
     raise ValueError(f"unknown slot kind {kind}")
 
 
@@ -246,13 +272,35 @@ def slots_for(cfg: Config, name: str, layout: str) -> list[Slot] | None:
         if layer >= cfg.num_hidden_layers:
             raise UnknownTensorError(f"'{name}': layer {layer} but the model has "
                                      f"{cfg.num_hidden_layers}")
-    for pattern, build in rules:
+    found = _match_rule(layout if layer is not None else "global", rules, rest)
+    if found is None:
+        raise UnknownTensorError(f"no {layout} name rule for tensor '{name}'")
+    match, build = found
+    built = build(cfg, match)
+    slots = built if isinstance(built, list) else [built]
+    return [dataclasses.replace(s, layer=layer) for s in slots]
+
+
+# Rules never depend on the numbers inside a name (layer, expert), they only capture them, so
+# all names with the same non-numeric skeleton match the same rule: remember which. A K3
+# checkpoint has ~500 K names over ~100 skeletons.
+_NUMBER = re.compile(r"\.\d+(?=\.|$)")
+_RULE_OF_SKELETON: dict[tuple[str, str], int] = {}
+
+
+def _match_rule(table: str, rules: list, rest: str) -> tuple[re.Match, Builder] | None:
+    key = (table, _NUMBER.sub(".#", rest))
+    known = _RULE_OF_SKELETON.get(key)
+    if known is not None:
+        match = re.fullmatch(rules[known][0], rest)
+        if match:
+            return match, rules[known][1]
+    for i, (pattern, build) in enumerate(rules):
         match = re.fullmatch(pattern, rest)
         if match:
-            built = build(cfg, match)
-            slots = built if isinstance(built, list) else [built]
-            return [dataclasses.replace(s, layer=layer) for s in slots]
-    raise UnknownTensorError(f"no {layout} name rule for tensor '{name}'")
+            _RULE_OF_SKELETON[key] = i
+            return match, build
+    return None
 
 
 def detect_layout(config_json: dict, names: list[str]) -> str:
@@ -263,3 +311,108 @@ def detect_layout(config_json: dict, names: list[str]) -> str:
            for n in names):
         return "transformers"
     return "moonshot"
+
+
+# --------------------------------------------------------------------------------------------
+# The reverse direction: k3text parameter -> the HF tensor names that fill it, per layout.
+# `hf.tensor_groups` walks the parameter tree through these; `slots_for` (the forward rules)
+# then says where each name lands, and tests hold the two directions to each other.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spelling:
+    """How a layout spells the parts the forward rules accept in several forms."""
+
+    prefix: str  # before `model.` / `lm_head.`
+    dense: str  # the dense MLP's module
+    moe: str  # the MoE block's module
+    decay: str  # the KDA decay projections' module
+    fused_conv: bool  # one conv1d over concat(q, k, v)
+    experts: str  # "per_expert" (w1/w2/w3), "stacked" ([E, ...] tensors) or "mxfp4"
+
+
+_SPELLINGS = {
+    # transformers' save_pretrained renames every `mlp.` back to `block_sparse_moe.`.
+    "moonshot": _Spelling("", "block_sparse_moe", "block_sparse_moe", "self_attn", False,
+                          "per_expert"),
+    "transformers": _Spelling("", "mlp", "mlp", "self_attn.forget_gate", True, "stacked"),
+    "k3": _Spelling("language_model.", "mlp", "block_sparse_moe", "self_attn", False, "mxfp4"),
+}
+LAYOUTS = tuple(_SPELLINGS)
+
+_MLA_NAMES = {"kv_a_proj": "kv_a_proj_with_mqa"}
+_GLOBAL_NAMES = {
+    ("embed", "table"): "model.embed_tokens.weight",
+    ("norm", "weight"): "model.norm.weight",
+    ("lm_head", "kernel"): "lm_head.weight",
+    ("output_attn_res_proj",): "model.output_attn_res_proj.weight",
+    ("output_attn_res_norm",): "model.output_attn_res_norm.weight",
+}
+
+
+def global_tensor_names(layout: str, path: tuple[str, ...]) -> list[str]:
+    """The HF names of a global (not per-layer) k3text parameter."""
+    return [_SPELLINGS[layout].prefix + _GLOBAL_NAMES[path]]
+
+
+def layer_tensor_names(cfg: Config, layout: str, path: tuple[str, ...], layer: int) -> list[str]:
+    """The HF names that fill parameter `path` (relative to a decoder layer) of layer `layer`."""
+    prefix = f"{_SPELLINGS[layout].prefix}model.layers.{layer}."
+    return [prefix + name for name in _layer_names(cfg, layout, path)]
+
+
+def _layer_names(cfg: Config, layout: str, path: tuple[str, ...]) -> list[str]:
+    sp = _SPELLINGS[layout]
+    match path:
+        case (norm, "weight"):
+            return [f"{norm}.weight"]
+        case (attn_res,):
+            return [f"{attn_res}.weight"]
+        case ("mixer", "q_conv" | "k_conv" | "v_conv") if sp.fused_conv:
+            return ["self_attn.conv1d.weight"]
+        case ("mixer", "q_conv" | "k_conv" | "v_conv"):
+            return [f"self_attn.{path[1][0]}_conv1d.weight"]
+        case ("mixer", "f_a_proj" | "f_b_proj"):
+            return [f"{sp.decay}.{path[1]}.weight"]
+        case ("mixer", "A_log" | "dt_bias"):
+            return [f"{sp.decay}.{path[1]}"]
+        case ("mixer", name):
+            return [f"self_attn.{_MLA_NAMES.get(name, name)}.weight"]
+        case ("mlp", "wi"):
+            return [f"{sp.dense}.gate_proj.weight", f"{sp.dense}.up_proj.weight"]
+        case ("mlp", "wo"):
+            return [f"{sp.dense}.down_proj.weight"]
+        case ("mlp", "gate"):
+            return [f"{sp.moe}.gate.weight"]
+        case ("mlp", "e_score_correction_bias"):
+            return [f"{sp.moe}.gate.e_score_correction_bias"]
+        case ("mlp", "shared_experts", "wi"):
+            return [f"{sp.moe}.shared_experts.gate_proj.weight",
+                    f"{sp.moe}.shared_experts.up_proj.weight"]
+        case ("mlp", "shared_experts", "wo"):
+            return [f"{sp.moe}.shared_experts.down_proj.weight"]
+        case ("mlp", "experts", name):
+            return _expert_names(cfg, layout, name)
+        case ("mlp", name):
+            return [f"{sp.moe}.{name}.weight"]
+    raise UnknownTensorError(f"no {layout} name for k3text parameter {'.'.join(path)}")
+
+
+def _expert_names(cfg: Config, layout: str, name: str) -> list[str]:
+    """Routed experts: gate_up is filled by w1 (gate) and w3 (up), down by w2."""
+    sp = _SPELLINGS[layout]
+    matrix = name.removesuffix("_packed").removesuffix("_scale")
+    if (matrix != name) != (sp.experts == "mxfp4"):
+        raise UnknownTensorError(f"the {layout} layout has no name for k3text expert "
+                                 f"parameter '{name}'")
+    if sp.experts == "stacked":
+        return [f"{sp.moe}.experts.{matrix}_proj"]
+    suffix = ".weight" if matrix == name else f".weight_{name.removeprefix(matrix + '_')}"
+    ws = ("w1", "w3") if matrix == "gate_up" else ("w2",)
+    return [f"{sp.moe}.experts.{e}.{w}{suffix}" for e in range(cfg.num_experts) for w in ws]
+
+
+def default_layout(cfg: Config) -> str:
+    """The layout a model's released checkpoints use: K3's for MXFP4 experts, else Moonshot's."""
+    return "k3" if cfg.expert_weight_format == "mxfp4" else "moonshot"

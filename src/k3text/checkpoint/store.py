@@ -1,0 +1,372 @@
+"""k3text checkpoints: an Orbax PyTree checkpoint written region by region, plus its model config.
+
+On-disk layout of a checkpoint directory (what `load_parameters_path` names):
+
+    OUT/
+      model.yml           the model keys (`config.CHECKPOINT_MODEL_FILE`); `load_config` lets them
+                          take precedence over the model an inference config names
+      params/             an Orbax PyTree checkpoint (`PyTreeCheckpointHandler` format,
+        _METADATA           use_ocdbt=false, use_zarr3=true) holding a flat tree: one entry per
+        embed.table/        k3text parameter, named by its '.'-joined path, e.g.
+          zarr.json         `groups.layers.0.mlp.experts.gate_up_packed` [groups, E, 2F, D/2] u8;
+          c/0/0             scanned layer groups are stacked on a leading axis, exactly as the
+        ...                 model holds them
+
+Why this layout. A converted K3 is 1.45 TB and one stacked expert parameter alone is ~200 GB,
+so no array can be built in host memory and handed to one Orbax save. Every parameter is instead
+a zarr3 array created up front and filled region by region with tensorstore as the source
+tensors stream in, in whatever order the source stores them:
+
+- Chunks tile the write regions (a region is what one source tensor fills: one expert's gate or
+  up half in one layer, one layer's projection), so every write covers whole chunks and nothing
+  is ever read back and rewritten. Chunks are further halved down to `CHUNK_BYTES`, so a device
+  restoring a slice reads little beyond it (experts are one chunk each per layer, so expert
+  parallelism reads exactly the experts a device holds).
+- No compression: BF16 weights and packed FP4 codes barely compress, and raw chunks keep both
+  conversion and restore at disk speed.
+- Without OCDBT every chunk is an ordinary file, so concurrent region writes need no
+  coordination and the tree metadata can be written once all arrays are complete.
+
+Restore goes through Orbax (`ArrayRestoreArgs` with each parameter's target sharding): every
+process reads only the chunks behind the slices its devices hold and the arrays come back
+already placed. Writes go to a hidden temporary directory next to the target that is renamed
+into place only when complete, so an interrupted run leaves nothing at the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import secrets
+import shutil
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+import yaml
+from flax import nnx
+
+from k3text import sharding
+from k3text.checkpoint import hf
+from k3text.checkpoint.safetensors_io import CheckpointError
+from k3text.config import CHECKPOINT_MODEL_FILE, MODEL_KEYS, Config, ConfigError, config_from_dict
+from k3text.layers import mxfp4
+from k3text.layers.initializers import Init
+from k3text.models.decoder import Decoder
+
+PARAMS_DIR = "params"
+CHUNK_BYTES = 64 << 20
+# Bytes handed to tensorstore and not yet on disk; beyond this, writes wait for the oldest.
+IN_FLIGHT_BYTES = 256 << 20
+# Written chunks are not cached: each is touched once.
+_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+
+Index = tuple[int | slice, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """One stored parameter array."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunks: tuple[int, ...]
+
+
+def box(index: Index, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """The [start, stop) range per dimension that a numpy-style `index` selects in `shape`.
+
+    Raises IndexError for an integer index outside its dimension."""
+    ranges = []
+    for d, n in enumerate(shape):
+        i = index[d] if d < len(index) else slice(None)
+        if isinstance(i, slice):
+            start, stop, _ = i.indices(n)
+        elif 0 <= i < n:
+            start, stop = i, i + 1
+        else:
+            raise IndexError(f"index {i} is outside dimension {d} of size {n}")
+        ranges.append((start, stop))
+    return tuple(ranges)
+
+
+def chunk_shape(shape: tuple[int, ...], itemsize: int,
+                regions: Iterable[tuple[tuple[int, int], ...]]) -> tuple[int, ...]:
+    """The largest chunk shape whose grid tiles every write region (so no write touches part of
+    a chunk), then halved along its longest even dimension down to CHUNK_BYTES."""
+    chunk = list(shape)
+    for region in regions:
+        for d, (start, stop) in enumerate(region):
+            chunk[d] = math.gcd(chunk[d], start, stop)
+    while math.prod(chunk) * itemsize > CHUNK_BYTES:
+        d = max(range(len(chunk)), key=lambda d: chunk[d] if chunk[d] % 2 == 0 else 0)
+        if chunk[d] % 2:
+            break
+        chunk[d] //= 2
+    return tuple(max(c, 1) for c in chunk)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing.
+# --------------------------------------------------------------------------------------------
+
+
+def _zarr_spec(path: Path, spec: ArraySpec | None = None) -> dict[str, Any]:
+    tspec: dict[str, Any] = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}
+    if spec is not None:
+        tspec["metadata"] = {
+            "shape": list(spec.shape),
+            "data_type": np.dtype(spec.dtype).name,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(spec.chunks)}},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+        }
+        # All-zero chunks are stored too (as Orbax does), so a restore never meets a gap.
+        tspec["store_data_equal_to_fill_value"] = True
+    return tspec
+
+
+def create_arrays(directory: Path, specs: Mapping[str, ArraySpec]) -> dict[str, ts.TensorStore]:
+    """Create one empty zarr3 array per parameter under `directory`/params, open for writing."""
+    params = directory / PARAMS_DIR
+    params.mkdir(parents=True)
+    opening = {name: ts.open(_zarr_spec(params / name, spec), create=True, context=_CONTEXT)
+               for name, spec in specs.items()}
+    return {name: future.result() for name, future in opening.items()}
+
+
+class Writer(contextlib.AbstractContextManager):
+    """Region writes into the arrays of `create_arrays`, at most IN_FLIGHT_BYTES outstanding.
+
+    Leaving the `with` block waits for every write: normally raising the first failure; after
+    an exception, silently, so the caller can delete the directory without a late write
+    recreating part of it."""
+
+    def __init__(self, arrays: Mapping[str, ts.TensorStore]):
+        self.arrays = arrays
+        self._pending: deque[tuple[Any, int]] = deque()
+        self._bytes = 0
+
+    def write(self, name: str, index: Index, block: np.ndarray) -> None:
+        self._pending.append((self.arrays[name][index].write(block), block.nbytes))
+        self._bytes += block.nbytes
+        while self._bytes > IN_FLIGHT_BYTES and len(self._pending) > 1:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        future, nbytes = self._pending.popleft()
+        self._bytes -= nbytes
+        future.result()
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        while self._pending:
+            if kind is None:
+                self._wait_oldest()
+            else:
+                with contextlib.suppress(Exception):
+                    self._wait_oldest()
+
+
+def write_tree_metadata(directory: Path, names: Iterable[str]) -> None:
+    """Orbax's metadata for the flat tree of `names`, written once every array is complete:
+    `_METADATA` (the tree: one numpy array per parameter, zarr3, no OCDBT) and
+    `_CHECKPOINT_METADATA` (which handler wrote it)."""
+    params = directory / PARAMS_DIR
+    entries = {  # key_type 2: a dict key
+        str((name,)): {"key_metadata": [{"key": name, "key_type": 2}],
+                       "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False}}
+        for name in names
+    }
+    tree = {"tree_metadata": entries, "use_ocdbt": False, "use_zarr3": True,
+            "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
+    (params / "_METADATA").write_text(json.dumps(tree))
+    handler = ocp.PyTreeCheckpointHandler
+    now = time.time_ns()
+    step = {"item_handlers": f"{handler.__module__}.{handler.__qualname__}", "metrics": {},
+            "performance_metrics": {}, "init_timestamp_nsecs": now,
+            "commit_timestamp_nsecs": now, "custom_metadata": {}}
+    (params / "_CHECKPOINT_METADATA").write_text(json.dumps(step))
+
+
+def write_model_config(directory: Path, cfg: Config) -> None:
+    (directory / CHECKPOINT_MODEL_FILE).write_text(
+        yaml.safe_dump(cfg.model_dict(), sort_keys=False))
+
+
+@contextlib.contextmanager
+def staged_directory(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+    """A temporary directory beside `out` that becomes `out` when the block succeeds.
+
+    An existing `out` is an error unless `force`; it is replaced only once the new one is
+    complete. On any exception (KeyboardInterrupt and SystemExit included) the temporary
+    directory is removed and `out` is left as it was.
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise CheckpointError(f"{out} already exists; use --force (force=True) to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.{secrets.token_hex(4)}.partial"
+    staging.mkdir()
+    try:
+        yield staging
+        if out.exists():
+            old = staging.with_suffix(".replaced")
+            os.replace(out, old)
+            os.replace(staging, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# Reading.
+# --------------------------------------------------------------------------------------------
+
+
+def _checkpointer() -> ocp.Checkpointer:
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+
+
+def stored_arrays(path: str | os.PathLike) -> dict[str, jax.ShapeDtypeStruct]:
+    """{parameter name: shape and dtype} of the checkpoint at `path` (metadata only)."""
+    params = Path(path) / PARAMS_DIR
+    if not (params / "_METADATA").is_file():
+        raise CheckpointError(f"{path}: not a k3text checkpoint (no {PARAMS_DIR}/_METADATA)")
+    tree = _checkpointer().metadata(params).item_metadata.tree
+    return {name: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype) for name, m in tree.items()}
+
+
+def restore(path: str | os.PathLike,
+            targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+    """Restore the named parameters straight into their `targets` shardings (and dtypes).
+
+    Every process reads only the slices its devices hold. Names and shapes must match the
+    stored arrays exactly (Orbax would silently pad or truncate); dtypes may differ between
+    floating types (cast while reading)."""
+    stored = stored_arrays(path)
+    missing = sorted(targets.keys() - stored.keys())
+    if missing:
+        raise CheckpointError(
+            f"{path}: checkpoint lacks {len(missing)} parameter(s) the model has, e.g. "
+            f"{missing[:3]} (it was written for another model)")
+    for name, target in targets.items():
+        have = stored[name]
+        if have.shape != target.shape:
+            raise CheckpointError(f"{path}: parameter {name} is stored with shape {have.shape}, "
+                                  f"the model config needs {target.shape}")
+        if have.dtype != target.dtype and not (_floating(have.dtype) and
+                                               _floating(target.dtype)):
+            raise CheckpointError(f"{path}: parameter {name} is stored as {have.dtype}, the "
+                                  f"model config needs {target.dtype}")
+    restore_args = {name: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape,
+                                               dtype=t.dtype)
+                    for name, t in targets.items()}
+    item = {name: stored[name] for name in targets}
+    return _checkpointer().restore(
+        Path(path) / PARAMS_DIR,
+        args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+
+
+def _floating(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+# --------------------------------------------------------------------------------------------
+# Models.
+# --------------------------------------------------------------------------------------------
+
+
+def load_model(cfg: Config, ctx: sharding.MeshContext, path: str | os.PathLike) -> Decoder:
+    """The Decoder `cfg` describes with its parameters restored from the checkpoint at `path`,
+    each placed in its logical-axis sharding on `ctx.mesh`."""
+    _check_model_keys(cfg, Path(path))
+    graphdef, state = nnx.split(Decoder(cfg, Init(abstract=True)))
+    flat = nnx.to_flat_state(state)
+    shardings = dict(nnx.to_flat_state(sharding.state_shardings(state, ctx)))
+    targets = {}
+    for p, var in flat:
+        value = var.get_value()
+        targets[hf.param_name(p)] = jax.ShapeDtypeStruct(value.shape, value.dtype,
+                                                         sharding=shardings[p])
+    arrays = restore(path, targets)
+    return nnx.merge(graphdef, nnx.from_flat_state(
+        [(p, var.replace(arrays[hf.param_name(p)])) for p, var in flat]))
+
+
+def _check_model_keys(cfg: Config, path: Path) -> None:
+    """The checkpoint's model keys must be the config's (`load_config` makes them so)."""
+    stored = (path / CHECKPOINT_MODEL_FILE)
+    if not stored.is_file():
+        return
+    ckpt = config_from_dict(yaml.safe_load(stored.read_text()))
+    differ = [f"{k} = {ckpt[k]!r} (config: {cfg[k]!r})"
+              for k in sorted(MODEL_KEYS - {"model_name"}) if ckpt[k] != cfg[k]]
+    if differ:
+        raise ConfigError(f"checkpoint {path} was written for another model: {'; '.join(differ)}")
+
+
+def save_model(cfg: Config, model_or_params: nnx.Module | nnx.State | Mapping[Any, Any],
+               out_dir: str | os.PathLike, *, force: bool = False) -> None:
+    """Write a model (a Decoder, its state, or flat {path: array} parameters) as a k3text
+    checkpoint of the model `cfg` describes, in `cfg`'s dtypes.
+
+    When `cfg` says `expert_weight_format: mxfp4` and the model holds BF16/FP32 experts, they
+    are quantised with `mxfp4.quantize_mxfp4`. Runs in one process (arrays are gathered to it).
+    """
+    if jax.process_count() > 1:
+        raise CheckpointError("save_model writes from a single process; gather the model first")
+    values = _flat_values(model_or_params)
+    expected = {hf.param_name(p): s for p, s in hf.abstract_params(cfg).items()}
+    if cfg.expert_weight_format == "mxfp4":
+        values = _quantize_experts(values)
+    missing = sorted(expected.keys() - values.keys())
+    extra = sorted(values.keys() - expected.keys())
+    if missing or extra:
+        raise CheckpointError(f"model does not match the config: missing {missing[:3]}, "
+                              f"unexpected {extra[:3]}")
+    specs = {}
+    for name, s in expected.items():
+        if values[name].shape != s.shape:
+            raise CheckpointError(f"parameter {name} has shape {values[name].shape}, the config "
+                                  f"needs {s.shape}")
+        whole = tuple((0, n) for n in s.shape)
+        specs[name] = ArraySpec(s.shape, np.dtype(s.dtype),
+                                chunk_shape(s.shape, np.dtype(s.dtype).itemsize, [whole]))
+    with staged_directory(out_dir, force) as staging:
+        with Writer(create_arrays(staging, specs)) as writer:
+            for name, spec in specs.items():
+                writer.write(name, (), np.asarray(values[name]).astype(spec.dtype, copy=False))
+        write_tree_metadata(staging, specs)
+        write_model_config(staging, cfg)
+
+
+def _flat_values(model: nnx.Module | nnx.State | Mapping[Any, Any]) -> dict[str, Any]:
+    if isinstance(model, nnx.Module):
+        model = nnx.state(model)
+    if isinstance(model, nnx.State):
+        return {hf.param_name(p): v.get_value() for p, v in nnx.to_flat_state(model)}
+    return {k if isinstance(k, str) else hf.param_name(k): v for k, v in model.items()}
+
+
+def _quantize_experts(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Replace unquantised routed experts ([..., out, in]) by their MXFP4 packed + scale pair."""
+    out = {}
+    for name, value in values.items():
+        if name.endswith((".experts.gate_up", ".experts.down")):
+            packed, scale = mxfp4.quantize_mxfp4(np.asarray(value, np.float32))
+            out[f"{name}_packed"], out[f"{name}_scale"] = packed, scale
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,160 @@
+"""Full-size validation without memory: build the model and decode state as abstract shapes on a
+fake CPU mesh of the config's size, lower and compile one decode step and one prefill chunk, and
+print per-device bytes from the compiler (`compiled.memory_analysis()`).
+
+    python -m k3text.tools.compile_check configs/inference/v7x16.yml [key=value ...] [--tpu]
+
+`--tpu` also lowers both programs for TPU (`jax.export`, platforms=["tpu"]) from this machine,
+so nothing CPU-only hides in the production path. Weight and state bytes are also computed from
+the real shardings (shard shape x itemsize), which is what `argument` should match.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from k3text.config import Config, ConfigError, load_config
+
+GIB = 1024**3
+
+
+def _fake_devices(count: int) -> None:
+    """Ask XLA:CPU for `count` host devices; only possible before jax starts."""
+    if "jax" in sys.modules:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def abstract_inputs(cfg: Config, ctx: Any) -> dict[str, Any]:
+    """Abstract (sharded ShapeDtypeStruct) parameters, decode state and token inputs."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from k3text import sharding
+    from k3text.inference.state import STATE_AXES, state_shapes
+    from k3text.layers.initializers import Init
+    from k3text.models.decoder import Decoder
+
+    graphdef, params = nnx.split(Decoder(cfg, Init(abstract=True)))
+    shardings = sharding.state_shardings(params, ctx)
+    params = jax.tree.map(
+        lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
+        params, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    batch = cfg.global_batch_size
+    shapes = state_shapes(cfg, batch)
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         shapes, sharding.tree_shardings(STATE_AXES, shapes, ctx))
+    rows = ctx.sharding(("batch", None))
+    chunk = cfg.prefill_chunk_size
+    return dict(
+        graphdef=graphdef, params=params, state=state,
+        token=jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=ctx.sharding(("batch",))),
+        chunk=jax.ShapeDtypeStruct((batch, chunk), jnp.int32, sharding=rows),
+        valid=jax.ShapeDtypeStruct((batch, chunk), jnp.bool_, sharding=rows),
+        start=jax.ShapeDtypeStruct((), jnp.int32),
+    )
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (its shard of each)."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += int(np.prod(shard)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def programs(inputs: dict[str, Any]) -> dict[str, tuple[Any, tuple]]:
+    """{name: (jitted function, abstract args)} for one decode step and one prefill chunk."""
+    import jax
+    from flax import nnx
+
+    graphdef = inputs["graphdef"]
+
+    def decode_step(params, tokens, state):
+        return nnx.merge(graphdef, params).decode(tokens, state)
+
+    def prefill_chunk(params, tokens, valid, state, start):
+        return nnx.merge(graphdef, params).prefill(tokens, valid, state, start)
+
+    return {
+        "decode step": (jax.jit(decode_step, donate_argnums=2),
+                        (inputs["params"], inputs["token"], inputs["state"])),
+        "prefill chunk": (jax.jit(prefill_chunk, donate_argnums=3),
+                          (inputs["params"], inputs["chunk"], inputs["valid"], inputs["state"],
+                           inputs["start"])),
+    }
+
+
+def check(cfg: Config, tpu: bool = False, out=sys.stdout) -> dict[str, dict[str, float]]:
+    """Compile both programs; print and return per-device GiB figures."""
+    import jax
+
+    from k3text import sharding
+
+    mesh = sharding.make_mesh(cfg, jax.devices()[: cfg.num_devices])
+    ctx = sharding.MeshContext(mesh, cfg.logical_axis_rules)
+    print(f"{cfg.model_name}: mesh {dict(mesh.shape)} on {jax.devices()[0].platform} "
+          f"(fake devices: shapes only, nothing allocated); batch {cfg.global_batch_size}, "
+          f"prefill chunk {cfg.prefill_chunk_size}, cache {cfg.mla_cache_dtype}, "
+          f"moe_ep_mode {cfg.moe_ep_mode}", file=out)
+    with sharding.use_mesh(mesh, ctx.rules):
+        inputs = abstract_inputs(cfg, ctx)
+        weights = per_device_bytes(inputs["params"])
+        state = per_device_bytes(inputs["state"])
+        print(f"weights {weights / GIB:.2f} GiB/device, decode state {state / GIB:.2f} "
+              f"GiB/device (from the shardings)", file=out)
+        results = {}
+        for name, (fn, args) in programs(inputs).items():
+            start = time.perf_counter()
+            lowered = fn.lower(*args)
+            compiled = lowered.compile()
+            seconds = time.perf_counter() - start
+            ma = compiled.memory_analysis()
+            figures = {"argument": ma.argument_size_in_bytes / GIB,
+                       "output": ma.output_size_in_bytes / GIB,
+                       "alias": ma.alias_size_in_bytes / GIB,
+                       "temp": ma.temp_size_in_bytes / GIB,
+                       "compile_seconds": seconds}
+            results[name] = figures
+            print(f"{name:14s} argument {figures['argument']:8.2f}  temp "
+                  f"{figures['temp']:8.2f}  output {figures['output']:8.2f}  aliased "
+                  f"{figures['alias']:8.2f} GiB/device  (lower+compile {seconds:.1f} s)",
+                  file=out)
+            if tpu:
+                exported = jax.export.export(fn, platforms=["tpu"])(*args)
+                print(f"{'':14s} lowers for TPU: {len(exported.mlir_module()) / 1e6:.1f} MB of "
+                      f"StableHLO", file=out)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    tpu = "--tpu" in argv
+    args = [a for a in argv if a != "--tpu"]
+    try:
+        cfg = load_config(args[0], args[1:])
+        _fake_devices(cfg.num_devices)
+        check(cfg, tpu=tpu)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
