@@ -15,6 +15,8 @@ tail broadcast to every head, never rotated.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -120,28 +122,69 @@ class MLAAttention(nnx.Module):
         Without a cache: causal attention within x. With a cache [B, S, latent] the chunk's
         latents are written at positions [start, start + T) and the chunk attends to every
         cached position up to itself (earlier chunks included), read back in the cache dtype.
+        Keys are visited in blocks with an online softmax, so temporaries scale with
+        T x `mla_key_block`, never with T x S.
         """
         batch, length = x.shape[:2]
         q_nope, q_rope = self._query(x)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         latent = self.latent(x)
-        q_pos = start + jnp.arange(length)
         n_valid = (jnp.full((batch,), length, jnp.int32) if valid is None
                    else jnp.sum(valid, axis=1, dtype=jnp.int32))
+        # Keys that hold real tokens end at start + n_valid (padding sits after each row's
+        # tokens); causality masks the rest.
+        limit = start + n_valid
         if cache is None:
-            keys_from = latent
-            k_pos = q_pos
+            block = min(self.cfg.mla_key_block, length)
+            keys_from = jnp.pad(latent, ((0, 0), (0, -length % block), (0, 0)))
+            blocks = keys_from.shape[1] // block
         else:
             cache = jax.lax.dynamic_update_slice(cache, latent.astype(cache.dtype), (0, start, 0))
             keys_from = cache
-            k_pos = jnp.arange(cache.shape[1])
-        k, v = self._keys_values(keys_from)
-        k = sharding.constrain(k, ("batch", None, "heads", None))
-        # Causal, and only keys that hold real tokens (padding sits after each row's tokens).
-        mask = (k_pos[None, :] <= q_pos[:, None])[None] & (
-            k_pos[None, None, :] < (start + n_valid)[:, None, None])
-        o = self._attend(q, k, v, mask)
+            block = math.gcd(cache.shape[1], self.cfg.mla_key_block)
+            # Only blocks up to the end of this chunk can hold visible keys.
+            blocks = (start + length + block - 1) // block
+        o = self._attend_blocked(q, keys_from, start + jnp.arange(length), limit, block, blocks)
         return self._output(x, o), cache
+
+    def _attend_blocked(self, q: jax.Array, keys_from: jax.Array, q_pos: jax.Array,
+                        limit: jax.Array, block: int, blocks: jax.Array | int) -> jax.Array:
+        """Causal softmax attention of q [B,T,H,D] over the latents keys_from [B,S,latent],
+        `block` keys at a time with a running max and sum (flash-attention style).
+
+        Keys are materialised from the latent one block at a time; key p is visible to query
+        position t when p <= t and p < limit[b]. Returns [B, T, H, v] in fp32.
+        """
+        batch, length, heads, _ = q.shape
+        prec = precision_of(self.cfg)
+
+        def step(j, carry):
+            peak, total, acc = carry
+            latent = jax.lax.dynamic_slice_in_dim(keys_from, j * block, block, axis=1)
+            k, v = self._keys_values(latent)
+            k = sharding.constrain(k, ("batch", None, "heads", None))
+            scores = jnp.einsum("bthd,bshd->bhts", q, k, precision=prec,
+                                preferred_element_type=FP32) * self.scale
+            k_pos = j * block + jnp.arange(block)
+            visible = (k_pos[None, None, :] <= q_pos[None, :, None]) & (
+                k_pos[None, None, :] < limit[:, None, None])
+            scores = jnp.where(visible[:, None], scores, -jnp.inf)
+            new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
+            safe = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
+            probs = jnp.exp(scores - safe[..., None])
+            rescale = jnp.exp(peak - safe)
+            total = total * rescale + jnp.sum(probs, axis=-1)
+            acc = acc * jnp.swapaxes(rescale, 1, 2)[..., None] + jnp.einsum(
+                "bhts,bshv->bthv", probs.astype(v.dtype), v, precision=prec,
+                preferred_element_type=FP32)
+            return new_peak, total, acc
+
+        init = (jnp.full((batch, heads, length), -jnp.inf, FP32),
+                jnp.zeros((batch, heads, length), FP32),
+                jnp.zeros((batch, length, heads, self.cfg.v_head_dim), FP32))
+        _, total, acc = jax.lax.fori_loop(0, blocks, step, init)
+        total = jnp.swapaxes(total, 1, 2)[..., None]
+        return jnp.where(total > 0, acc / jnp.where(total > 0, total, 1.0), 0.0)
 
     def _absorbed_query(self, q_nope: jax.Array) -> jax.Array:
         """q_nope [B, H, nope] -> latent-space query [B, H, kv_lora] through kv_b_proj's keys."""
