@@ -1,0 +1,109 @@
+"""Two processes x 4 CPU devices (jax.distributed on localhost) restore element-distinct
+parameters into their shards and decode exactly what one process decodes, whatever the device
+order of the mesh."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from k3text.checkpoint import load_model, save_model
+from k3text.config import load_config
+from k3text.inference.engine import Engine
+
+from helpers import MODELS, mesh_context
+
+PROMPTS = [[5, 6, 7, 8], list(range(3, 40)), [9]]
+MESH = ["ici_tensor_parallelism=2", "ici_expert_parallelism=4"]
+DECODE = ["max_decode_steps=6", "ignore_eos=true", "matmul_precision=highest"]
+
+_WORKER = """
+import json, sys
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from k3text import sharding
+from k3text.checkpoint import load_model
+from k3text.config import load_config
+from k3text.inference.engine import Engine
+
+model_file, ckpt, port, rank, order, prompts, *overrides = sys.argv[1:]
+cfg = load_config(model_file, [f"load_parameters_path={ckpt}", "jax_distributed_initialize=true",
+                               f"coordinator_address=localhost:{port}", "num_processes=2",
+                               f"process_id={rank}", *overrides])
+sharding.maybe_initialize_distributed(cfg)
+devices = [jax.devices()[int(i)] for i in order.split(",")]
+mesh = Mesh(np.asarray(devices).reshape([cfg.mesh_shape[a] for a in sharding.MESH_AXES]),
+            sharding.MESH_AXES)
+ctx = sharding.MeshContext(mesh, cfg.logical_axis_rules)
+gen = Engine(cfg, load_model(cfg, ctx, ckpt), ctx).generate(json.loads(prompts))
+print("RESULT", json.dumps({"ids": gen.output_ids, "logprobs": gen.output_logprobs}))
+"""
+
+
+def element_distinct(cfg):
+    """Parameters whose every element is a function of its own flat index (hashed), so any
+    misplaced slice changes the model, while keeping fan-in-scaled magnitudes."""
+    from k3text.checkpoint import hf
+
+    values = {}
+    for n, (path, shape) in enumerate(hf.abstract_params(cfg).items()):
+        index = np.arange(int(np.prod(shape.shape)), dtype=np.float64).reshape(shape.shape)
+        uniform = np.modf(np.sin(index * 12.9898 + n * 78.233) * 43758.5453)[0] % 1.0
+        key = tuple(str(p) for p in path)
+        if shape.dtype == np.uint8:
+            packed = np.floor(uniform * 256).astype(np.uint8)
+            values[key] = packed if key[-1].endswith("_packed") else np.full(shape.shape, 120,
+                                                                              np.uint8)
+        else:
+            fan_in = shape.shape[-2] if len(shape.shape) > 1 else 1
+            scale = 1.0 if len(shape.shape) == 1 or key[-1] == "table" else fan_in**-0.5
+            normal = (uniform - 0.5) * np.sqrt(12.0) * scale
+            values[key] = (1.0 + 0.1 * normal if len(shape.shape) == 1 else normal).astype(
+                shape.dtype)
+    return values
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = load_config(MODELS / "k3-tiny.yml")
+    path = tmp_path_factory.mktemp("ckpt") / "k3-tiny"
+    save_model(cfg, element_distinct(cfg), path)
+    one = load_config(MODELS / "k3-tiny.yml", [f"load_parameters_path={path}", *MESH, *DECODE])
+    ctx = mesh_context(one)
+    expected = Engine(one, load_model(one, ctx, path), ctx).generate(PROMPTS)
+    return path, expected
+
+
+def run_two_processes(path, order):
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4 "
+                                      "--xla_backend_optimization_level=0"}
+    workers = [subprocess.Popen(
+        [sys.executable, "-c", _WORKER, str(MODELS / "k3-tiny.yml"), str(path), str(port),
+         str(rank), order, json.dumps(PROMPTS), *MESH, *DECODE],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [w.communicate(timeout=600) for w in workers]
+    for worker, (_, err) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, err[-3000:]
+    results = [json.loads(next(line for line in out.splitlines()
+                               if line.startswith("RESULT"))[len("RESULT "):])
+               for out, _ in outputs]
+    assert results[0] == results[1]
+    return results[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["0,1,2,3,4,5,6,7", "5,2,7,0,3,6,1,4"])
+def test_two_processes_decode_like_one(checkpoint, order):
+    path, expected = checkpoint
+    got = run_two_processes(path, order)
+    assert got["ids"] == expected.output_ids
+    np.testing.assert_allclose(np.array(got["logprobs"]), np.array(expected.output_logprobs),
+                               atol=1e-4)
