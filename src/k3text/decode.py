@@ -22,17 +22,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import grain
-import jax
-from tqdm import tqdm
+if __name__ == "__main__":  # before jax starts, so CPU runs of multi-device configs just work
+    from k3text.config import request_host_devices
 
-from k3text import sharding
-from k3text.checkpoint.safetensors_io import CheckpointError
-from k3text.config import Config, ConfigError, load_config
-from k3text.inference.engine import Engine, Generation, place_model
-from k3text.layers.initializers import Init
-from k3text.models.decoder import Decoder
-from k3text.tokenizer import Tokenizer, load_tokenizer
+    request_host_devices(sys.argv[1:])
+
+import grain  # noqa: E402
+import jax  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from k3text import sharding  # noqa: E402
+from k3text.checkpoint.safetensors_io import CheckpointError  # noqa: E402
+from k3text.config import Config, ConfigError, load_config  # noqa: E402
+from k3text.inference.engine import Engine, Generation, place_model  # noqa: E402
+from k3text.layers.initializers import Init  # noqa: E402
+from k3text.models.decoder import Decoder  # noqa: E402
+from k3text.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
 log = logging.getLogger("k3text.decode")
 

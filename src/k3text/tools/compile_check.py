@@ -11,25 +11,14 @@ the real shardings (shard shape x itemsize), which is what `argument` should mat
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from k3text.config import Config, ConfigError, load_config
+from k3text.config import Config, ConfigError, load_config, request_host_devices
 
 GIB = 1024**3
-
-
-def _fake_devices(count: int) -> None:
-    """Ask XLA:CPU for `count` host devices; only possible before jax starts."""
-    if "jax" in sys.modules:
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def abstract_inputs(cfg: Config, ctx: Any) -> dict[str, Any]:
@@ -147,9 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tpu = "--tpu" in argv
     args = [a for a in argv if a != "--tpu"]
     try:
-        cfg = load_config(args[0], args[1:])
-        _fake_devices(cfg.num_devices)
-        check(cfg, tpu=tpu)
+        request_host_devices(args)
+        check(load_config(args[0], args[1:]), tpu=tpu)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
