@@ -8,9 +8,10 @@ import sys
 import jax
 import pytest
 
-from helpers import ROOT, mesh_context, tiny_config
 from k3text import sharding
 from k3text.tools import compile_check
+
+from helpers import ROOT, mesh_context, tiny_config
 
 
 @pytest.mark.parametrize("mode,transport", [("local", "auto"), ("all_to_all", "ragged")])
