@@ -138,6 +138,7 @@ def synthesize_and_convert(root, model_config, seed=5, shards=3, layout=None):
     extra = ["--layout", layout] if layout else []
     assert synthetic.main(["--model-config", str(model_config), "--out", str(root / "hf"),
                            "--seed", str(seed), "--shards", str(shards), *extra]) == 0
+    (root / "hf" / "tiktoken.model").write_text("tokenizer of this checkpoint\n")
     assert convert.main(["--hf-dir", str(root / "hf"), "--out", str(root / "k3text"),
                          "--model-config", str(model_config), "--no-progress"]) == 0
     return root
@@ -206,6 +207,8 @@ def test_converted_parameters_are_the_written_ones(tmp_path, model, layout):
     synthesize_and_convert(tmp_path, MODELS / f"{model}.yml", seed=2, layout=layout)
     cfg = load_config(MODELS / f"{model}.yml", [f"load_parameters_path={tmp_path / 'k3text'}"])
     restored = load_model(cfg, mesh_context(cfg, 1), tmp_path / "k3text")
+    # The tokenizer travels with the checkpoint.
+    assert (tmp_path / "k3text" / "tiktoken.model").read_text() == "tokenizer of this checkpoint\n"
     expected = synthetic.random_params(load_config(MODELS / f"{model}.yml"), seed=2)
     state = nnx.to_flat_state(nnx.state(restored))
     assert len(state) == len(expected)

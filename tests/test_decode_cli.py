@@ -73,3 +73,15 @@ def test_user_errors_exit_2_with_one_message(config, capsys, args, message):
     assert main([config, *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and err[-1].startswith("error: ")
+
+
+def test_tokenizer_defaults_to_the_one_shipped_with_the_checkpoint(tmp_path):
+    from k3text.config import load_config
+    from k3text.decode import tokenizer_path
+
+    (tmp_path / "model.yml").write_text("model_name: shipped\n")
+    (tmp_path / "tiktoken.model").write_text("")
+    cfg = load_config(MODELS / "k3-tiny.yml", [f"load_parameters_path={tmp_path}",
+                                                "tokenizer_type=tiktoken"])
+    assert tokenizer_path(cfg) == str(tmp_path / "tiktoken.model")
+    assert tokenizer_path(cfg.replace(tokenizer_path="x.model")) == "x.model"

@@ -244,8 +244,18 @@ def build(cfg: Config) -> tuple[Engine, sharding.MeshContext]:
     return Engine(cfg, model, ctx), ctx
 
 
+def tokenizer_path(cfg: Config) -> str | None:
+    """The configured tokenizer file, else the one a converted checkpoint ships with."""
+    if cfg.tokenizer_path:
+        return cfg.tokenizer_path
+    shipped = Path(cfg.load_parameters_path or ".") / "tiktoken.model"
+    if cfg.tokenizer_type == "tiktoken" and cfg.load_parameters_path and shipped.is_file():
+        return str(shipped)
+    return None
+
+
 def run(cfg: Config) -> list[dict[str, Any]]:
-    tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path or None)
+    tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_path(cfg))
     requests = collect_requests(cfg, tokenizer)
     engine, ctx = build(cfg)
     engine.check_prompts([r.prompt_ids for r in requests], cfg.max_decode_steps)

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import json
 import math
+import shutil
 import signal
 import sys
 from collections.abc import Iterable, Sequence
@@ -380,7 +381,18 @@ def convert(hf_dir: str | Path, out: str | Path, model_config: str | Path | None
             _stream(plan, writer, progress)
         store.write_tree_metadata(staging, plan.arrays)
         store.write_model_config(staging, plan.source.cfg)
+        copy_tokenizer(Path(hf_dir), staging)
     return plan
+
+
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
+
+
+def copy_tokenizer(hf_dir: Path, out: Path) -> None:
+    """Ship the checkpoint's tokenizer with it, so decoding needs no tokenizer_path."""
+    for name in TOKENIZER_FILES:
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, out / name)
 
 
 def _stream(plan: Plan, writer: store.Writer, progress: bool) -> None:
