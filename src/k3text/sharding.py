@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -166,11 +166,6 @@ def variable_axes(variable: nnx.Variable) -> Logical:
     return tuple(axes)
 
 
-def state_logical_axes(state: Any) -> Any:
-    """Tree of logical-axis tuples for an nnx State (same structure, Variables -> tuples)."""
-    return jax.tree.map(variable_axes, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-
-
 def tree_shardings(logical_tree: Any, shapes: Any, ctx: MeshContext) -> Any:
     """NamedShardings for a tree of logical-axis tuples, checking every split divides."""
 
@@ -205,26 +200,3 @@ def state_shardings(state: Any, ctx: MeshContext) -> Any:
                                                          v.get_value().dtype),
                           state, is_leaf=is_var)
     return tree_shardings(logical, shapes, ctx)
-
-
-def shard_to_layout(tree: Any, shardings: Any) -> Any:
-    """`device_put` each leaf into its target sharding."""
-    return jax.tree.map(jax.device_put, tree, shardings)
-
-
-def make_global_array(shape: Sequence[int], dtype: Any, sharding: NamedSharding,
-                      read_slice: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
-    """Assemble a global array from host data, reading only the slices local devices hold.
-
-    Placement comes from `sharding.addressable_devices_indices_map`, never from process ids or
-    device order, so it is right for any mesh construction on any number of hosts.
-    """
-    index_map = sharding.addressable_devices_indices_map(tuple(shape))
-    arrays = []
-    cache: dict[tuple, np.ndarray] = {}
-    for device, index in index_map.items():
-        key = tuple((s.start, s.stop, s.step) for s in index)
-        if key not in cache:
-            cache[key] = np.asarray(read_slice(index), dtype=dtype)
-        arrays.append(jax.device_put(cache[key], device))
-    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)

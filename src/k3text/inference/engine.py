@@ -208,7 +208,11 @@ def _to_host(tree: Any) -> Any:
 
 
 def place_model(model: Decoder, ctx: sharding.MeshContext) -> Decoder:
-    """The model with every parameter placed in its logical-axis sharding on `ctx.mesh`."""
+    """The model with every parameter placed in its logical-axis sharding on `ctx.mesh`.
+
+    Each process puts only the slices its own devices hold (`make_array_from_callback` asks the
+    sharding's `addressable_devices_indices_map`), never deriving placement from process ids or
+    device order."""
     graphdef, state = nnx.split(model)
     shardings = sharding.state_shardings(state, ctx)
     flat_state = nnx.to_flat_state(state)
