@@ -21,7 +21,7 @@ def test_logits_match_transformers(case):
     cfg, twin = k3text_twin(model)
     forward = nnx.jit(lambda m, t: m.forward(t))
     rng = np.random.default_rng(0)
-    for length in (1, 7, 64, 65, 130):
+    for length in (1, 64, 65, 130):
         tokens = rng.integers(0, cfg.vocab_size, (2, length))
         expected = hf_logits(model, tokens)
         got = np.asarray(forward(twin, jax.numpy.asarray(tokens)))

@@ -47,19 +47,28 @@ def test_sharded_logits_match_unsharded(reference, tensor, expert, mode):
     np.testing.assert_allclose(got, expected, atol=1e-4 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("mode", ["local", "all_to_all"])
-def test_sharded_greedy_tokens_match_unsharded(reference, mode):
+PROMPTS = [[5, 6, 7, 8], list(range(3, 40)), [9]]
+
+
+@pytest.fixture(scope="module")
+def unsharded_generation(reference):
     cfg, _, _ = reference
-    prompts = [[5, 6, 7, 8], list(range(3, 40)), [9]]
-    expected = engine_for(cfg, seed=1).generate(prompts)
-    got = engine_for(sharded(cfg, 2, 4, mode), seed=1).generate(prompts)
+    return engine_for(cfg, seed=1).generate(PROMPTS)
+
+
+@pytest.mark.parametrize("mode", ["local", "all_to_all"])
+def test_sharded_greedy_tokens_match_unsharded(reference, unsharded_generation, mode):
+    cfg, _, _ = reference
+    expected = unsharded_generation
+    got = engine_for(sharded(cfg, 2, 4, mode), seed=1).generate(PROMPTS)
     assert got.output_ids == expected.output_ids
     np.testing.assert_allclose(np.array(got.output_logprobs), np.array(expected.output_logprobs),
                                atol=1e-4)
 
 
 def test_moe_mode_is_logged(caplog):
-    cfg = sharded(tiny_config("kimi-linear-tiny"), 1, 8, "local")
+    # An expert count no other test uses: each distinct path is logged once per process.
+    cfg = sharded(tiny_config("kimi-linear-tiny", "num_experts=24"), 1, 8, "local")
     ctx = mesh_context(cfg)
     moe = place_model(MoE(cfg, Init(0)), ctx)
     with caplog.at_level(logging.INFO, logger="k3text.layers.moe"), \
