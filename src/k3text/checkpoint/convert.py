@@ -159,7 +159,7 @@ def make_plan(source: Source) -> Plan:
         try:
             slots = names.slots_for(cfg, name, layout)
         except names.UnknownTensorError as e:
-            plan.problems.append(f"{info.file}: unexpected tensor: {e.args[0]}")
+            plan.problems.append(f"{info.file}: unexpected tensor: {e}")
             continue
         if slots is None:
             plan.dropped.append(name)
@@ -475,11 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _dry_run(args)
         plan = convert(args.hf_dir, args.out, args.model_config, args.force,
                        progress=not args.no_progress)
-    except (CheckpointError, ConfigError, OSError) as e:
+    except (CheckpointError, ConfigError, OSError) as e:  # UnknownTensorError included
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    except names.UnknownTensorError as e:
-        print(f"error: {e.args[0]}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"interrupted; nothing was written to {args.out}", file=sys.stderr)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from k3text.checkpoint.safetensors_io import CheckpointError
 from k3text.config import Config
 
 # Parameters the k3text model stores as [in, out] (HF Linear weights are [out, in]).
@@ -243,7 +244,7 @@ GLOBAL_RULES = [
 _LAYER = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<rest>.+)")
 
 
-class UnknownTensorError(KeyError):
+class UnknownTensorError(CheckpointError):
     """A checkpoint tensor no rule of the layout knows."""
 
 
