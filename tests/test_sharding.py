@@ -12,6 +12,7 @@ from flax import nnx
 from k3text import sharding
 from k3text.config import ConfigError
 from k3text.inference.engine import place_model
+from k3text.layers import moe as moe_module
 from k3text.layers.initializers import Init
 from k3text.layers.moe import MoE
 from k3text.models.decoder import Decoder
@@ -66,8 +67,9 @@ def test_sharded_greedy_tokens_match_unsharded(reference, unsharded_generation, 
                                atol=1e-4)
 
 
-def test_moe_mode_is_logged(caplog):
-    # An expert count no other test uses: each distinct path is logged once per process.
+def test_moe_mode_is_logged(caplog, monkeypatch):
+    # Each distinct path is logged once per process: forget what earlier tests reported.
+    monkeypatch.setattr(moe_module, "_reported_paths", set())
     cfg = sharded(tiny_config("kimi-linear-tiny", "num_experts=24"), 1, 8, "local")
     ctx = mesh_context(cfg)
     moe = place_model(MoE(cfg, Init(0)), ctx)

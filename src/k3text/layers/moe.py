@@ -183,11 +183,16 @@ def experts_local(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: jax.
 # --------------------------------------------------------------------------------------------
 
 
-def _logged(cfg: Config, what: str, _seen: set = set()) -> None:  # noqa: B006 - log once
-    if what not in _seen:
-        _seen.add(what)
-        log.info("moe: %s (experts %s, format %s)", what, cfg.num_experts,
-                 cfg.expert_weight_format)
+# Paths already reported: tracing happens once per shape, but one line per distinct path per
+# process is what an operator wants to read.
+_reported_paths: set[str] = set()
+
+
+def _logged(cfg: Config, what: str) -> None:
+    line = f"moe: {what} (experts {cfg.num_experts}, format {cfg.expert_weight_format})"
+    if line not in _reported_paths:
+        _reported_paths.add(line)
+        log.info("%s", line)
 
 
 def routed_experts(cfg: Config, x: jax.Array, weights: jax.Array, ids: jax.Array,
