@@ -76,6 +76,19 @@ def test_base_config_chain_and_model_config(tmp_path):
         load_config(tmp_path / "bad.yml")
 
 
+def test_paths_in_files_are_relative_to_the_file(tmp_path, monkeypatch):
+    sub = tmp_path / "configs"
+    sub.mkdir()
+    (sub / "paths.yml").write_text("tokenizer_path: ../assets/tok.model\n"
+                                   "output_file: /abs/out.jsonl\n"
+                                   "compilation_cache_dir: ~/cache\n")
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(sub / "paths.yml", ["prompts_file=prompts.jsonl"])
+    assert cfg.tokenizer_path == str(tmp_path / "assets" / "tok.model")
+    assert cfg.output_file == "/abs/out.jsonl" and cfg.compilation_cache_dir == "~/cache"
+    assert cfg.prompts_file == "prompts.jsonl"  # command line: the working directory's
+
+
 def test_checkpoint_model_config_takes_precedence(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

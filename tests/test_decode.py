@@ -58,6 +58,18 @@ def test_ragged_batch_equals_one_by_one(setup):
                                    atol=1e-4)
 
 
+def test_unrolled_engine_reads_split_stacks_and_decodes_the_same(setup):
+    cfg, model, engine = setup
+    unrolled_cfg = cfg.replace(scan_layers=False)
+    unrolled = engine_for(unrolled_cfg, Decoder(unrolled_cfg, Init(7)))  # same weights
+    grouped = [v for path, v in nnx.to_flat_state(unrolled.params) if path[0] == "groups"]
+    assert grouped and all(isinstance(v.get_value(), tuple) for v in grouped)
+    prompts = [[5, 6, 7], list(range(3, 70))]
+    a, b = engine.generate(prompts), unrolled.generate(prompts)
+    assert a.output_ids == b.output_ids
+    np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-4)
+
+
 def test_decode_loop_is_one_compiled_program(setup, monkeypatch):
     cfg, _, engine = setup
     traces = []

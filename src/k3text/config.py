@@ -589,6 +589,23 @@ def checkpoint_model_config(path: str | os.PathLike) -> dict[str, Any] | None:
     return _flatten(_read_yaml(file))
 
 
+# Keys naming files or directories. A relative path written in a config file is relative to that
+# file (like base_config and model_config), so a config works from any working directory; one
+# given on the command line is relative to the working directory.
+PATH_KEYS = frozenset({"load_parameters_path", "tokenizer_path", "prompts_file", "output_file",
+                       "compilation_cache_dir", "checkpoint_dir", "export_path"})
+
+
+def _file_relative(flat: Mapping[str, Any], file: Path) -> dict[str, Any]:
+    def resolve(value: Any) -> Any:
+        if not isinstance(value, str) or not value or value.startswith("~") \
+                or Path(value).is_absolute():
+            return value
+        return str((file.parent / value).resolve())
+
+    return {k: resolve(v) if k in PATH_KEYS else v for k, v in flat.items()}
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (),
                 **kwargs: Any) -> Config:
     """Load `path` (or only base.yml), apply `key=value` overrides and keyword overrides."""
@@ -609,7 +626,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         for file, flat in _file_chain(model_file):
             _apply(values, flat, str(file))
     for file, flat in chain:
-        _apply(values, flat, str(file))
+        _apply(values, _file_relative(flat, file), str(file))
 
     ckpt_path = cli.get("load_parameters_path", values["load_parameters_path"])
     if ckpt_path:

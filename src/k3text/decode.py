@@ -32,12 +32,12 @@ import jax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from k3text import sharding  # noqa: E402
-from k3text.checkpoint.safetensors_io import CheckpointError  # noqa: E402
-from k3text.config import Config, ConfigError, load_config  # noqa: E402
+from k3text.config import Config, ConfigError  # noqa: E402
 from k3text.inference.engine import Engine, Generation, place_model  # noqa: E402
 from k3text.layers.initializers import Init  # noqa: E402
 from k3text.models.decoder import Decoder  # noqa: E402
 from k3text.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+from k3text.tools import cli  # noqa: E402
 
 log = logging.getLogger("k3text.decode")
 
@@ -47,7 +47,7 @@ class Request:
     index: int  # position in the input, which is also the output order
     prompt_ids: tuple[int, ...]
     prompt: str | None = None  # the text, when the prompt came as text
-    expected: str | None = None  # the known answer of a built-in prompt
+    expected: str | None = None  # the known answer (built-in prompts, "expected" in a file)
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,12 +99,17 @@ def read_prompts_file(path: str, tokenizer: Tokenizer | None, cfg: Config) -> li
             if not isinstance(ids, list) or not ids or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ConfigError(f"{where}: \"prompt_ids\" must be a non-empty list of int")
-            requests.append(Request(len(requests), tuple(ids)))
+            request = Request(len(requests), tuple(ids))
         else:
             if not isinstance(record["prompt"], str):
                 raise ConfigError(f"{where}: \"prompt\" must be a string")
-            requests.append(Request(len(requests), _encode(record["prompt"], tokenizer, cfg,
-                                                           where), record["prompt"]))
+            request = Request(len(requests), _encode(record["prompt"], tokenizer, cfg, where),
+                              record["prompt"])
+        if "expected" in record:
+            if not isinstance(record["expected"], str):
+                raise ConfigError(f"{where}: \"expected\" must be a string")
+            request = dataclasses.replace(request, expected=record["expected"])
+        requests.append(request)
     if not requests:
         raise ConfigError(f"prompts_file {path} holds no prompts")
     return requests
@@ -187,7 +192,8 @@ def write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
         raise
 
 
-def print_results(records: list[dict[str, Any]], out=sys.stdout) -> None:
+def print_results(records: list[dict[str, Any]], out: Any = None) -> None:
+    out = out or sys.stdout
     for record in records:
         shown = record.get("prompt", record["prompt_ids"])
         completion = record.get("output_text", record["output_ids"])
@@ -279,20 +285,12 @@ def run(cfg: Config) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip() + "\n\nusage: python -m k3text.decode CONFIG [key=value ...]")
-        return 0 if argv else 2
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
-    try:
-        cfg = load_config(argv[0], argv[1:])
+    def body(cfg: Config) -> None:
         enable_compilation_cache(cfg)
         sharding.maybe_initialize_distributed(cfg)
         run(cfg)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return cli.main(argv, "k3text.decode", __doc__, body)
 
 
 if __name__ == "__main__":

@@ -322,15 +322,17 @@ def save_model(cfg: Config, model_or_params: nnx.Module | nnx.State | Mapping[An
     """Write a model (a Decoder, its state, or flat {path: array} parameters) as a k3text
     checkpoint of the model `cfg` describes, in `cfg`'s dtypes.
 
-    When `cfg` says `expert_weight_format: mxfp4` and the model holds BF16/FP32 experts, they
-    are quantised with `mxfp4.quantize_mxfp4`. Runs in one process (arrays are gathered to it).
+    Routed experts are written in `cfg`'s `expert_weight_format`: unquantised experts are
+    quantised with `mxfp4.quantize_mxfp4` for `mxfp4`, packed ones dequantised (exactly, to
+    float32, then `cfg`'s weight dtype) for `bf16`. Runs in one process (arrays are gathered to
+    it).
     """
     if jax.process_count() > 1:
         raise CheckpointError("save_model writes from a single process; gather the model first")
     values = _flat_values(model_or_params)
     expected = {hf.param_name(p): s for p, s in hf.abstract_params(cfg).items()}
-    if cfg.expert_weight_format == "mxfp4":
-        values = _quantize_experts(values)
+    values = (_quantize_experts(values) if cfg.expert_weight_format == "mxfp4"
+              else _dequantize_experts(values))
     missing = sorted(expected.keys() - values.keys())
     extra = sorted(values.keys() - expected.keys())
     if missing or extra:
@@ -368,5 +370,17 @@ def _quantize_experts(values: Mapping[str, Any]) -> dict[str, Any]:
             packed, scale = mxfp4.quantize_mxfp4(np.asarray(value, np.float32))
             out[f"{name}_packed"], out[f"{name}_scale"] = packed, scale
         else:
+            out[name] = value
+    return out
+
+
+def _dequantize_experts(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Replace MXFP4 routed experts (packed + scale pairs) by their exact float32 values."""
+    out = {}
+    for name, value in values.items():
+        if name.endswith((".experts.gate_up_packed", ".experts.down_packed")):
+            base = name.removesuffix("_packed")
+            out[base] = np.asarray(mxfp4.dequantize_mxfp4(value, values[f"{base}_scale"]))
+        elif not name.endswith((".experts.gate_up_scale", ".experts.down_scale")):
             out[name] = value
     return out

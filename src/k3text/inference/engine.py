@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,7 +27,7 @@ from k3text import sharding
 from k3text.config import Config, ConfigError
 from k3text.inference import sampling
 from k3text.inference.state import STATE_AXES, DecodeState, cache_length, state_shapes
-from k3text.models.decoder import Decoder
+from k3text.models.decoder import Decoder, unstack_groups
 
 
 @dataclasses.dataclass
@@ -52,10 +52,13 @@ class Engine:
         self.cfg = cfg
         self.ctx = ctx
         self.graphdef, self.params = nnx.split(model)
+        if not model.cfg.scan_layers:  # the model's config decides how its layers run
+            self.params = unstack_groups(self.params)
         self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnames=("state",))
         self._loop = jax.jit(self._loop_impl, static_argnames=("max_steps",),
                              donate_argnames=("state",))
         self._step = jax.jit(self._step_impl, donate_argnames=("state",))
+        self._zero_state: dict[int, Callable[[], DecodeState]] = {}
 
     # ---- placement ------------------------------------------------------------------------
 
@@ -66,10 +69,13 @@ class Engine:
 
     def new_state(self, batch: int) -> DecodeState:
         """Zero decode state for `batch` slots, created directly in its sharding."""
-        shapes = state_shapes(self.cfg, batch)
-        shardings = sharding.tree_shardings(STATE_AXES, shapes, self.ctx)
-        make = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                       out_shardings=shardings)
+        make = self._zero_state.get(batch)
+        if make is None:  # one compiled program per batch size, not one per call
+            shapes = state_shapes(self.cfg, batch)
+            shardings = sharding.tree_shardings(STATE_AXES, shapes, self.ctx)
+            make = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                           out_shardings=shardings)
+            self._zero_state[batch] = make
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             return make()
 

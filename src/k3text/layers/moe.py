@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,29 @@ from k3text.layers.normalizations import rms_norm
 
 log = logging.getLogger(__name__)
 
-ExpertParams = dict[str, jax.Array]
+
+
+class LayerExperts(NamedTuple):
+    """The routed-expert weights of one MoE layer, addressed inside the stack they live in.
+
+    `arrays` keep a leading [layers] axis (the scanned group's stack; [1] for a layer outside
+    any scan) and `layer` picks one entry. Kernels index (layer, expert) in one gather, so a
+    decode step reads the experts it hits straight out of the stack. Slicing a layer's experts
+    out first, which is what a scan over stacked parameters does, copies every expert the layer
+    holds on every step: cost would follow experts held, not experts hit.
+    """
+
+    arrays: dict[str, jax.Array]  # name -> [layers, experts, out, in]
+    layer: jax.Array  # int32 scalar
+
+    @property
+    def held(self) -> int:
+        return next(iter(self.arrays.values())).shape[1]
+
+    @staticmethod
+    def unstacked(arrays: dict[str, jax.Array]) -> LayerExperts:
+        return LayerExperts({name: a[None] for name, a in arrays.items()}, jnp.int32(0))
+
 
 # x [M, in] . w [G, out, in] -> [M, out], rows of x grouped by expert.
 _RAGGED_DIMS = jax.lax.RaggedDotDimensionNumbers(
@@ -84,23 +106,24 @@ def route(cfg: Config, x: jax.Array, gate: jax.Array, bias: jax.Array,
 # --------------------------------------------------------------------------------------------
 
 
-def expert_matrices(cfg: Config, params: ExpertParams, index: jax.Array | None = None,
+def expert_matrices(cfg: Config, experts: LayerExperts, index: jax.Array | None = None,
                     ) -> tuple[jax.Array, jax.Array]:
     """(gate_up [n, 2I, D], down [n, D, I]) in the compute dtype, for the experts at `index`
     (all held experts when None). Packed MXFP4 experts are narrowed first, then dequantised,
     so only the selected experts are ever expanded."""
     dtype = compute_dtype(cfg)
 
-    def pick(a: jax.Array) -> jax.Array:
-        return a if index is None else jnp.take(a, index, axis=0)
+    def pick(name: str) -> jax.Array:
+        a = experts.arrays[name]
+        if index is None:
+            return jax.lax.dynamic_index_in_dim(a, experts.layer, 0, keepdims=False)
+        return a[experts.layer, index]
 
     if cfg.expert_weight_format == "mxfp4":
-        gate_up = mxfp4.dequantize_mxfp4(pick(params["gate_up_packed"]),
-                                         pick(params["gate_up_scale"]), dtype)
-        down = mxfp4.dequantize_mxfp4(pick(params["down_packed"]), pick(params["down_scale"]),
-                                      dtype)
+        gate_up = mxfp4.dequantize_mxfp4(pick("gate_up_packed"), pick("gate_up_scale"), dtype)
+        down = mxfp4.dequantize_mxfp4(pick("down_packed"), pick("down_scale"), dtype)
         return gate_up, down
-    return pick(params["gate_up"]).astype(dtype), pick(params["down"]).astype(dtype)
+    return pick("gate_up").astype(dtype), pick("down").astype(dtype)
 
 
 def _expert_glu(cfg: Config, h: jax.Array) -> jax.Array:
@@ -109,21 +132,21 @@ def _expert_glu(cfg: Config, h: jax.Array) -> jax.Array:
 
 
 def experts_grouped(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: jax.Array,
-                    params: ExpertParams) -> jax.Array:
+                    experts: LayerExperts) -> jax.Array:
     """Weighted sum over each token's routed experts that live in `params`.
 
     x [N, D]; weights, local_ids [N, k] with ids relative to the first held expert (ids outside
     [0, held) belong to other devices and contribute nothing). Rows are sorted by expert and
     pushed through two grouped matmuls over the held experts.
     """
-    held = next(iter(params.values())).shape[0]
+    held = experts.held
     k = local_ids.shape[-1]
     flat_ids = local_ids.reshape(-1)
     here = (flat_ids >= 0) & (flat_ids < held)
     order = jnp.argsort(jnp.where(here, flat_ids, held), stable=True)
     token = order // k
     group_sizes = jnp.bincount(jnp.where(here, flat_ids, held), length=held + 1)[:held]
-    gate_up, down = expert_matrices(cfg, params)
+    gate_up, down = expert_matrices(cfg, experts)
     dtype, prec = compute_dtype(cfg), precision(cfg)
     rows = jnp.take(x, token, axis=0).astype(dtype)
     h = jax.lax.ragged_dot_general(rows, gate_up, group_sizes.astype(jnp.int32), _RAGGED_DIMS,
@@ -136,14 +159,14 @@ def experts_grouped(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: ja
 
 
 def experts_gathered(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: jax.Array,
-                     params: ExpertParams) -> jax.Array:
+                     experts: LayerExperts) -> jax.Array:
     """Same result as `experts_grouped`, touching only the experts tokens were routed to.
 
     A scan over the N*k routed slots: each held slot narrows the expert weights to one expert,
     dequantises it and applies it to one token; slots owned by other devices are skipped. Cost
     and temporaries follow the number of slots, not the number of experts held.
     """
-    held = next(iter(params.values())).shape[0]
+    held = experts.held
     dtype, prec = compute_dtype(cfg), precision(cfg)
     k = local_ids.shape[-1]
 
@@ -152,7 +175,7 @@ def experts_gathered(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: j
         here = (expert >= 0) & (expert < held)
 
         def apply(out):
-            gate_up, down = expert_matrices(cfg, params, jnp.clip(expert, 0, held - 1)[None])
+            gate_up, down = expert_matrices(cfg, experts, jnp.clip(expert, 0, held - 1)[None])
             row = x[token].astype(dtype)
             h = jnp.dot(gate_up[0], row, precision=prec, preferred_element_type=FP32)
             y = jnp.dot(down[0], _expert_glu(cfg, h).astype(dtype), precision=prec,
@@ -172,10 +195,10 @@ def use_gathered(cfg: Config, slots: int, held: int) -> bool:
 
 
 def experts_local(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: jax.Array,
-                  params: ExpertParams) -> jax.Array:
-    held = next(iter(params.values())).shape[0]
-    fn = experts_gathered if use_gathered(cfg, local_ids.size, held) else experts_grouped
-    return fn(cfg, x, weights, local_ids, params)
+                  experts: LayerExperts) -> jax.Array:
+    fn = experts_gathered if use_gathered(cfg, local_ids.size, experts.held) else \
+        experts_grouped
+    return fn(cfg, x, weights, local_ids, experts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,43 +219,49 @@ def _logged(cfg: Config, what: str) -> None:
 
 
 def routed_experts(cfg: Config, x: jax.Array, weights: jax.Array, ids: jax.Array,
-                   params: ExpertParams, param_axes: dict[str, tuple]) -> jax.Array:
+                   experts: LayerExperts, param_axes: dict[str, tuple]) -> jax.Array:
     """Σ_k weights · expert_ids(x) for x [N, D], on whatever mesh is active."""
     ctx = sharding.active()
     slots = ids.size
     if ctx is None or ctx.size("exp") == 1:
         path = "gathered" if use_gathered(cfg, slots, cfg.num_experts) else "ragged_dot"
         _logged(cfg, f"unsharded, {path}")
-        return experts_local(cfg, x, weights, ids, params)
+        return experts_local(cfg, x, weights, ids, experts)
     if cfg.moe_ep_mode == "all_to_all":
         from k3text.layers import moe_dispatch
 
         _logged(cfg, f"all_to_all over {ctx.axes('exp')}, transport "
                      f"{moe_dispatch.transport(cfg)}")
-        return moe_dispatch.experts_all_to_all(cfg, ctx, x, weights, ids, params, param_axes)
+        return moe_dispatch.experts_all_to_all(cfg, ctx, x, weights, ids, experts, param_axes)
     held = cfg.num_experts // ctx.size("exp")
     path = "gathered" if use_gathered(cfg, slots // max(1, ctx.size("batch")), held) else \
         "ragged_dot"
     _logged(cfg, f"local expert parallelism over {ctx.axes('exp')}, {path}, psum combine")
-    return _experts_local_ep(cfg, ctx, x, weights, ids, params, param_axes)
+    return _experts_local_ep(cfg, ctx, x, weights, ids, experts, param_axes)
+
+
+def expert_specs(ctx: sharding.MeshContext, param_axes: dict[str, tuple]) -> LayerExperts:
+    """shard_map in_specs of a `LayerExperts` whose arrays have `param_axes` after the stack."""
+    return LayerExperts({name: ctx.spec(("layers", *axes)) for name, axes in param_axes.items()},
+                        ctx.spec(()))
 
 
 def _experts_local_ep(cfg: Config, ctx: sharding.MeshContext, x: jax.Array, weights: jax.Array,
-                      ids: jax.Array, params: ExpertParams,
+                      ids: jax.Array, experts: LayerExperts,
                       param_axes: dict[str, tuple]) -> jax.Array:
     held = cfg.num_experts // ctx.size("exp")
     token_spec = ctx.spec(("batch", None))
-    param_specs = {name: ctx.spec(param_axes[name]) for name in params}
     exp_axes = ctx.axes("exp")
 
-    def body(x, weights, ids, params):
+    def body(x, weights, ids, experts):
         first = ctx.axis_index("exp") * held
-        partial = experts_local(cfg, x, weights, ids - first, params)
+        partial = experts_local(cfg, x, weights, ids - first, experts)
         return jax.lax.psum(partial, exp_axes)
 
     return jax.shard_map(body, mesh=ctx.mesh,
-                         in_specs=(token_spec, token_spec, token_spec, param_specs),
-                         out_specs=token_spec, check_vma=False)(x, weights, ids, params)
+                         in_specs=(token_spec, token_spec, token_spec,
+                                   expert_specs(ctx, param_axes)),
+                         out_specs=token_spec, check_vma=False)(x, weights, ids, experts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,8 +327,12 @@ class MoE(nnx.Module):
             self.shared_experts = MLP(cfg, hidden, cfg.moe_intermediate_size
                                       * cfg.num_shared_experts, init)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [..., hidden] -> [..., hidden]."""
+    def __call__(self, x: jax.Array, stack_index: Any = None) -> jax.Array:
+        """x [..., hidden] -> [..., hidden].
+
+        `stack_index`: set when this layer's routed experts were handed over as the whole stack
+        of a scanned layer group (leading [layers] axis); the index of this layer in it.
+        """
         cfg = self.cfg
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
@@ -307,9 +340,11 @@ class MoE(nnx.Module):
         z = tokens
         if cfg.routed_expert_hidden_size:
             z = matmul(cfg, tokens, self.routed_expert_down_proj[...])
-        params = {name: p[...] for name, p in self.experts.items()}
+        arrays = {name: p[...] for name, p in self.experts.items()}
+        experts = LayerExperts.unstacked(arrays) if stack_index is None else \
+            LayerExperts(arrays, jnp.asarray(stack_index, jnp.int32))
         axes = {name: spec[2] for name, spec in expert_param_shapes(cfg).items()}
-        y = routed_experts(cfg, z, weights, ids, params, axes).astype(compute_dtype(cfg))
+        y = routed_experts(cfg, z, weights, ids, experts, axes).astype(compute_dtype(cfg))
         if cfg.routed_expert_hidden_size:
             if cfg.latent_moe_use_norm:
                 y = rms_norm(y, self.routed_expert_norm[...], cfg.rms_norm_eps)

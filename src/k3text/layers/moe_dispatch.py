@@ -97,7 +97,7 @@ def _flat_index(axes: tuple) -> jax.Array:
 
 
 def experts_all_to_all(cfg: Config, ctx: sharding.MeshContext, x: jax.Array,
-                       weights: jax.Array, ids: jax.Array, params: moe.ExpertParams,
+                       weights: jax.Array, ids: jax.Array, experts: moe.LayerExperts,
                        param_axes: dict[str, tuple]) -> jax.Array:
     """Σ_k weights · expert_ids(x) for x [N, D] replicated over the expert axes."""
     axes = ctx.axes("exp")
@@ -106,9 +106,8 @@ def experts_all_to_all(cfg: Config, ctx: sharding.MeshContext, x: jax.Array,
     exchange, give_back = ((_exchange_ragged, _return_ragged) if transport(cfg) == "ragged"
                            else (_exchange_padded, _return_padded))
     token_spec = ctx.spec(("batch", None))
-    param_specs = {name: ctx.spec(param_axes[name]) for name in params}
 
-    def body(x, weights, ids, params):
+    def body(x, weights, ids, experts):
         tokens, k = ids.shape
         local = -(-tokens // n)
         pad = local * n - tokens
@@ -126,7 +125,7 @@ def experts_all_to_all(cfg: Config, ctx: sharding.MeshContext, x: jax.Array,
         expert = jnp.where(flat[order] >= 0, flat[order] % held, -1)
         recv, recv_ids, how = exchange(rows, expert, dest[order], axes, n)
         results = moe.experts_local(cfg, recv, jnp.ones((recv.shape[0], 1), jnp.float32),
-                                    recv_ids[:, None], params)
+                                    recv_ids[:, None], experts)
         returned = give_back(results, how, axes, n)
         w = w_mine.reshape(-1)[order]
         mine = jnp.zeros((local, x.shape[1]), jnp.float32).at[order // k].add(
@@ -134,5 +133,6 @@ def experts_all_to_all(cfg: Config, ctx: sharding.MeshContext, x: jax.Array,
         return jax.lax.all_gather(mine, axes, tiled=True)[:tokens]
 
     return jax.shard_map(body, mesh=ctx.mesh,
-                         in_specs=(token_spec, token_spec, token_spec, param_specs),
-                         out_specs=token_spec, check_vma=False)(x, weights, ids, params)
+                         in_specs=(token_spec, token_spec, token_spec,
+                                   moe.expert_specs(ctx, param_axes)),
+                         out_specs=token_spec, check_vma=False)(x, weights, ids, experts)

@@ -59,16 +59,22 @@ class DecoderLayer(nnx.Module):
                 setattr(self, f"{name}_norm", init.constant((hidden,), ("embed",), wdt))
 
     def __call__(self, stream: Any, layer_index: Any, kda_slot: Any, mla_slot: Any,
-                 state: Any, run: MixerRun) -> tuple[Any, Any]:
+                 state: Any, run: MixerRun, stack_index: Any = None) -> tuple[Any, Any]:
+        """`stack_index`: this layer's position in its scanned group's stack, given when the
+        routed experts were handed over as that whole stack (see `moe.LayerExperts`)."""
         cfg = self.cfg
 
         def mixer(h):
             return run(self.mixer, self.spec, kda_slot, mla_slot, self.input_layernorm(h), state)
 
+        def mlp(h):
+            h = self.post_attention_layernorm(h)
+            return self.mlp(h, stack_index) if self.spec.mlp == "moe" else self.mlp(h)
+
         if not cfg.attn_res_block_size:
             a, state_out = mixer(stream)
             x = stream + a
-            return x + self.mlp(self.post_attention_layernorm(x)), state_out
+            return x + mlp(x), state_out
         eps = cfg.rms_norm_eps
         h = attn_res.mix(stream.prefix_sum, stream.blocks, stream.count,
                          self.self_attention_res_proj[...], self.self_attention_res_norm[...], eps)
@@ -77,7 +83,7 @@ class DecoderLayer(nnx.Module):
         prefix = stream.prefix_sum + a
         h = attn_res.mix(prefix, stream.blocks, stream.count, self.mlp_res_proj[...],
                          self.mlp_res_norm[...], eps)
-        prefix = prefix + self.mlp(self.post_attention_layernorm(h))
+        prefix = prefix + mlp(h)
         return stream._replace(prefix_sum=prefix), state_out
 
 
@@ -138,28 +144,34 @@ class Decoder(nnx.Module):
         mla0 = plan.lead - kda0
         kda_per = sum(s.mixer == "kda" for s in specs)
         mla_per = plan.period - kda_per
-        graphdef, params = nnx.split(self.groups)
+        graphdef, experts, params = nnx.split(self.groups, nnx.PathContains("experts"), ...)
 
-        def body(carry, xs):
+        def body(carry, g, group_params, stack_index):
             stream, state = carry
-            g, group_params = xs
-            group = nnx.merge(graphdef, group_params)
+            group = nnx.merge(graphdef, *group_params)
             kda, mla = kda0 + g * kda_per, mla0 + g * mla_per
             for j, layer in enumerate(group.layers):
                 spec = specs[j]
                 stream, state = layer(stream, plan.lead + g * plan.period + j,
                                       kda if spec.mixer == "kda" else -1,
-                                      mla if spec.mixer == "mla" else -1, state, run)
+                                      mla if spec.mixer == "mla" else -1, state, run,
+                                      stack_index)
                 kda = kda + (spec.mixer == "kda")
                 mla = mla + (spec.mixer == "mla")
-            return (stream, state), None
+            return stream, state
 
         carry = (stream, state)
         if self.cfg.scan_layers:
-            carry, _ = jax.lax.scan(body, carry, (jnp.arange(plan.num_groups), params))
+            # Routed experts stay whole (closed over, not scanned): the MoE indexes (layer,
+            # expert) itself, so a step reads only the experts it hits (`moe.LayerExperts`).
+            def scanned(carry, xs):
+                g, group_params = xs
+                return body(carry, g, (experts, group_params), g), None
+
+            carry, _ = jax.lax.scan(scanned, carry, (jnp.arange(plan.num_groups), params))
         else:
             for g in range(plan.num_groups):
-                carry, _ = body(carry, (g, jax.tree.map(lambda p, g=g: p[g], params)))
+                carry = body(carry, g, (group_slice(experts, g), group_slice(params, g)), None)
         return carry
 
     def _logits(self, stream: Any) -> jax.Array:
@@ -238,6 +250,40 @@ class Decoder(nnx.Module):
 
         stream, state = self._layers(self._stream(tokens), state, run)
         return self._logits(stream), state._replace(lengths=positions + 1)
+
+
+def group_slice(tree: Any, g: int) -> Any:
+    """Group g's parameters: a slice of each stacked array, or the g-th array of a stack that
+    `unstack_groups` already split."""
+    return jax.tree.map(lambda v: v[g], tree, is_leaf=lambda v: isinstance(v, tuple))
+
+
+def unstack_groups(params: nnx.State) -> nnx.State:
+    """`params` with every stacked array of the scanned groups split into a tuple of per-group
+    arrays, each in its slice's sharding; for unrolled execution (`scan_layers: false`).
+
+    A compiled program that slices a layer out of a stack copies it (XLA:CPU materialises every
+    slice feeding a dot), so an unrolled decode step over stacked weights writes and rereads
+    them all; split once here, each layer's weights are read in place. A scanned program
+    (TPU) fuses the slice into its consumers and keeps the stacks."""
+    flat = nnx.to_flat_state(params)
+    stacked = {"/".join(map(str, path)): var.get_value() for path, var in flat
+               if path[0] == "groups" and not isinstance(var.get_value(), tuple)}
+
+    def slice_sharding(a: jax.Array) -> jax.sharding.Sharding:
+        s = a.sharding
+        if isinstance(s, jax.sharding.NamedSharding):
+            return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[1:]))
+        return s
+
+    # One program splits every stack (a program per array would cost a compile each).
+    split = jax.jit(
+        lambda tree: {k: tuple(a[g] for g in range(a.shape[0])) for k, a in tree.items()},
+        out_shardings={k: (slice_sharding(a),) * a.shape[0] for k, a in stacked.items()},
+    )(stacked)
+    keys = ["/".join(map(str, path)) for path, _ in flat]
+    return nnx.from_flat_state([(path, var.replace(split[k]) if k in split else var)
+                                for k, (path, var) in zip(keys, flat, strict=True)])
 
 
 def _set(stacked: jax.Array, slot: Any, value: jax.Array) -> jax.Array:

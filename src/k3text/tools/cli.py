@@ -1,5 +1,6 @@
-"""Command-line plumbing shared by the tools: `python -m k3text.tools.NAME CONFIG [key=value ...]
-[--flags]`, with the same config loading as every other entry point.
+"""Command-line plumbing shared by the entry points: `python -m k3text.decode|train CONFIG
+[key=value ...]` (`main`) and the tools, `python -m k3text.tools.NAME CONFIG [key=value ...]
+[--flags]`, all with the same config loading.
 
 A tool may own a few integer `name=value` keys of its own (`batch=`, `context=`); they are
 taken out before the rest go to `load_config` as config overrides.
@@ -8,10 +9,32 @@ taken out before the rest go to `load_config` as config overrides.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+from k3text.checkpoint.safetensors_io import CheckpointError
 from k3text.config import Config, ConfigError, load_config
+
+
+def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config], Any]) -> int:
+    """Run `body(config)` for `python -m PROG CONFIG [key=value ...]`: usage on -h, k3text's
+    INFO log lines on stderr, and a user error (bad config, checkpoint, file or value) as one
+    line on stderr with exit status 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(doc.strip() + f"\n\nusage: python -m {prog} CONFIG [key=value ...]")
+        return 0 if argv else 2
+    # force: an imported library may already have given the root logger a handler of its own.
+    logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr, force=True)
+    logging.getLogger("k3text").setLevel(logging.INFO)
+    try:
+        body(load_config(argv[0], argv[1:]))
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def parser(prog: str, doc: str, tool_keys: Mapping[str, str] | None = None,

@@ -1,0 +1,98 @@
+"""The benchmark sweep machinery on a tiny grid: it runs, and writes the documented files and
+fields. Nothing timed is checked."""
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import benchlib
+import sweep
+
+from k3text.config import ConfigError
+
+ROOT = benchlib.ROOT
+MACHINE_FIELDS = {"date", "cpu", "cores", "ram_gib", "backend", "devices", "jax", "jaxlib"}
+
+
+def write_sweep(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_two_point_sweep_writes_jsonl_csv_and_png(tmp_path):
+    spec = write_sweep(tmp_path / "tiny.yml", """
+base: configs/models/kimi-linear-tiny.yml
+fixed: {max_decode_steps: 2}
+grid: {per_device_batch_size: [1, 2]}
+prompt_lengths: [5]
+repeats: 1
+""")
+    out = tmp_path / "out"
+    assert sweep.main([str(spec), "--out", str(out)]) == 0
+
+    lines = (out / "tiny.jsonl").read_text().splitlines()
+    header, points = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+    assert MACHINE_FIELDS <= header["machine"].keys()
+    assert header["sweep"]["grid"] == {"per_device_batch_size": [1, 2]}
+    assert len(points) == 2
+    for point, batch in zip(points, (1, 2), strict=True):
+        assert set(sweep.FIELDS) | {"per_device_batch_size"} <= point.keys()
+        assert point["error"] is None
+        assert (point["batch"], point["decode_steps"], point["prompt_length"]) == (batch, 2, 5)
+        assert point["moe_path_decode"] in ("gathered", "ragged_dot")
+        for field in ("ttft_ms", "decode_tokens_per_s", "step_ms_p50", "step_peak_mib"):
+            assert point[field] > 0, field
+
+    text = (out / "tiny.csv").read_text().splitlines()
+    comments = [line for line in text if line.startswith("#")]
+    assert any(line.startswith("# jaxlib:") for line in comments)
+    rows = list(csv.DictReader(line for line in text if not line.startswith("#")))
+    assert list(rows[0]) == sweep.columns(sweep.load_sweep(spec))
+    assert [r["batch"] for r in rows] == ["1", "2"]
+
+    assert (out / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs" / "sweeps").glob("*")))
+def test_shipped_sweeps_parse(name):
+    spec = sweep.load_sweep(ROOT / "configs" / "sweeps" / name)
+    assert spec.base_path.is_file()
+    if name.startswith("cpu-"):  # the CPU sweeps validate fully on the 8 test devices
+        assert len(sweep.expand(spec, [])) == len(spec.points())
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("base: x.yml\nprompt_lengths: [4]\nrepeat: 2\n", "unknown sweep key 'repeat'"),
+    ("prompt_lengths: [4]\n", "'base' is required"),
+    ("base: x.yml\nprompt_lengths: [0]\n", "prompt_lengths must be positive"),
+    ("base: x.yml\nprompt_lengths: [4]\ngrid: {seed: []}\n", "grid.seed must be a non-empty"),
+    ("base: x.yml\nprompt_lengths: [4]\nfixed: {seed: 1}\ngrid: {seed: [2]}\n",
+     "both fixed and swept"),
+])
+def test_bad_sweep_files_are_rejected(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        sweep.load_sweep(write_sweep(tmp_path / "bad.yml", text))
+
+
+def test_points_that_cannot_run_are_rejected_before_running(tmp_path):
+    spec = sweep.load_sweep(write_sweep(tmp_path / "long.yml", """
+base: configs/models/kimi-linear-tiny.yml
+fixed: {max_target_length: 64, max_prefill_predict_length: 64, max_decode_steps: 8}
+prompt_lengths: [60]
+"""))
+    with pytest.raises(ConfigError, match="exceeds max_target_length"):
+        sweep.expand(spec, [])
+    with pytest.raises(ConfigError, match="set by the sweep itself"):
+        sweep.expand(spec, ["ignore_eos=false"])
+
+
+def test_host_device_flag_respects_an_existing_count():
+    flag = benchlib.HOST_DEVICES_FLAG
+    assert benchlib.with_host_devices("", 8) == f"{flag}=8"
+    assert benchlib.with_host_devices("--xla_foo=1", 8) == f"--xla_foo=1 {flag}=8"
+    assert benchlib.with_host_devices(f"{flag}=4", 8) == f"{flag}=4"
