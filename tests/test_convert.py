@@ -257,7 +257,7 @@ def test_restored_model_decodes_identically_on_8_devices(small_k3):
 def test_checkpoint_model_config_takes_precedence(small_k3):
     root, _ = small_k3
     cfg = load_config(CPU, [f"load_parameters_path={root / 'k3text'}"])
-    # cpu.yml names k3-tiny with a byte vocabulary; the checkpoint's model wins.
+    # cpu.yml names the shipped k3-small (vocabulary 512); the checkpoint's model wins.
     assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.model_name) == (160, 5, "k3-small")
     with pytest.raises(ConfigError, match=r"'vocab_size=260' on the command line disagrees.*"
                                           r"vocab_size = 160"):

@@ -2,7 +2,6 @@
 router as a per-token loop over experts, SiTU and the gates by their formulas, and scanned vs
 unrolled execution of the same stacked parameters."""
 
-import time
 
 import jax
 import jax.numpy as jnp
@@ -200,16 +199,14 @@ def k3_shaped(layers: int):
 
 
 def test_full_depth_compiles_like_a_shallow_model():
-    sizes, times = {}, {}
+    # The program's size, not a wall-clock time (which a loaded machine makes flaky): the 84
+    # extra layers are 21 more trips of the same scan, not 84 more layers of program.
+    sizes = {}
     for layers in (9, 93):
         cfg = k3_shaped(layers)
         graphdef, state = nnx.split(Decoder(cfg, Init(abstract=True)))
         tokens = jax.ShapeDtypeStruct((1, 64), jnp.int32)
         fn = jax.jit(lambda s, t, g=graphdef: nnx.merge(g, s).forward(t))
-        start = time.perf_counter()
-        lowered = fn.lower(state, tokens)
-        times[layers] = time.perf_counter() - start
-        sizes[layers] = len(lowered.as_text())
+        sizes[layers] = len(fn.lower(state, tokens).as_text())
     assert k3_shaped(93).structure.scan.num_groups == 22
     assert sizes[93] < 1.5 * sizes[9], sizes
-    assert times[93] < 1.5 * times[9] + 0.5, times

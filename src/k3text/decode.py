@@ -182,6 +182,7 @@ def write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.fchmod(fd, 0o644)  # mkstemp makes 0600; an output file is an ordinary file
     try:
         with os.fdopen(fd, "w") as f:
             for record in records:

@@ -1,0 +1,514 @@
+"""Side-by-side baselines, each pair in one process on the same weights and inputs.
+
+    python benchmarks/baselines.py [--quick] [--only SECTION ...] [--out DIR]
+
+Sections (all by default):
+
+- transformers: k3text decode (`Engine.generate`, on-device loop) vs transformers'
+  `KimiLinearForCausalLM.generate` (torch CPU, greedy) on a small Kimi Linear (hidden 512,
+  4 layers, 16 experts) whose k3text twin holds the same weights (tests/hf_reference.py), at
+  batch 1 and 8, and at batch 8 once more with the hit-experts MoE kernel forced (the default
+  picks ragged_dot there). Decode tokens/s = batch x (new tokens - 1) / decode time: k3text's
+  `decode_seconds`; for transformers the time from the first to the last new token, clocked by
+  a stopping criterion inside `generate`. Both fp32; compile and warm-up excluded; medians.
+  The share of greedy tokens both produce is printed as a same-model check. k3text runs with
+  the CPU decode settings of configs/inference/cpu.yml (layers unrolled over per-layer weights).
+  Each row also gives the memory-bandwidth floor: the parameter bytes a step must read (hit
+  experts only, one embedding row per token) at the bandwidth a large float32 matrix-vector
+  product reaches on this machine.
+- kda: KDA prefill forms on the same inputs: `kda_chunked` (jit) vs `kda_recurrent` (jit, the
+  per-token scan) vs fla-core's `naive_chunk_kda` (torch), T up to 4096 (B=1, H=4, K=V=128).
+  Compile excluded; medians; the max |difference| from the recurrence is printed as a check.
+- loop: the tiny K3 (configs/models/k3-tiny.yml) at batch 1: the whole decode loop jitted
+  (`Engine.generate`) vs a Python loop over the jitted `Engine.step`, once reading each step's
+  tokens back to the host (as a server checking EOS must) and once dispatching asynchronously.
+- mxfp4: the tiny K3 decode step at batch 1 (on-device loop, ms/step) against the number of
+  experts at fixed top-k (64 vs 512), MXFP4-packed vs unpacked experts
+  (`expert_weight_format=bf16`, stored in the model's weight_dtype: float32, XLA:CPU's native
+  type; bfloat16 storage on CPU would add XLA:CPU's whole-tensor bf16->f32 conversions); plus
+  the grouped (`ragged_dot`) kernel forced with moe_dense_threshold=1, which touches every
+  held expert.
+
+Pairs are measured interleaved (one call of each per round, after one warm-up call each), so
+load from other processes hits both sides of a ratio alike. torch runs with one thread unless
+--torch-threads says otherwise: on a loaded 2-core machine torch's OpenMP pool stalls whenever
+one of its threads is preempted (the same fla call took 0.37-7.7 s with 2 threads, a steady
+0.20 s with 1), and one thread was torch's fastest setting here, so this favours the torch side.
+
+Each section writes SECTION.jsonl (line 1: the machine; then one object per row), SECTION.csv
+and SECTION.png into --out (default benchmarks/results/baselines/), and prints its table with
+the ratios. Runs on one CPU device (no fake devices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import benchlib
+
+sys.path.insert(0, str(benchlib.ROOT / "tests"))  # hf_reference: the Kimi Linear twin
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from flax import nnx
+from transformers import StoppingCriteriaList
+
+from k3text import decode, sharding
+from k3text.config import CONFIG_DIR, Config, load_config
+from k3text.inference import sampling
+from k3text.inference.engine import Engine, place_model
+from k3text.layers import moe
+from k3text.ops import kda
+from k3text.tools.tables import table
+
+import hf_reference
+
+K3_TINY = CONFIG_DIR / "models" / "k3-tiny.yml"
+Row = dict[str, Any]
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x"
+
+
+def interleaved(runs: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, list[Any]]:
+    """Call each run once to warm up (compile), then `repeats` rounds that call every run once,
+    so a burst of load from other processes on a shared machine hits all of them alike and
+    their ratios stay fair. Returns each run's outputs, by name."""
+    for fn in runs.values():
+        fn()
+    outputs: dict[str, list[Any]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            outputs[name].append(fn())
+    return outputs
+
+
+# --------------------------------------------------------------------------------------------
+# transformers generate vs k3text.
+# --------------------------------------------------------------------------------------------
+
+SMALL_KIMI_LINEAR = dict(
+    vocab_size=2048, hidden_size=512, num_hidden_layers=4, intermediate_size=1024,
+    moe_intermediate_size=256, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128,
+    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_experts=16,
+    num_experts_per_token=2, linear_attn_config={
+        "kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 8, "head_dim": 64,
+        "short_conv_kernel_size": 4},
+)
+
+
+def twin_engine(hf_model: Any, prompt_len: int, steps: int, **overrides: Any) -> Engine:
+    """A k3text engine on one device holding `hf_model`'s weights, with the CPU decode settings
+    of configs/inference/cpu.yml (layers unrolled over per-layer weights)."""
+    overrides.setdefault("scan_layers", False)
+    cfg, twin = hf_reference.k3text_twin(
+        hf_model, matmul_precision="default", max_decode_steps=steps, ignore_eos=True,
+        max_prefill_predict_length=prompt_len, max_target_length=prompt_len + steps,
+        **overrides)
+    ctx = sharding.MeshContext(sharding.make_mesh(cfg), cfg.logical_axis_rules)
+    return Engine(cfg, place_model(twin, ctx), ctx)
+
+
+def expert_kernel(cfg: Config, tokens: int) -> str:
+    """The routed-expert kernel one device runs for `tokens` tokens (unsharded experts)."""
+    slots = tokens * cfg.num_experts_per_token
+    return "gathered" if moe.use_gathered(cfg, slots, cfg.num_experts) else "ragged_dot"
+
+
+def bandwidth_bytes_per_s() -> float:
+    """This machine's memory bandwidth as XLA:CPU streams weights: the best of 10 float32
+    matrix-vector products over a 64 MiB matrix."""
+    w = jnp.asarray(np.random.default_rng(0).random((16384, 1024), np.float32))
+    x = jnp.ones((1, 16384), jnp.float32)
+    matvec = jax.jit(lambda w, x: x @ w)
+    matvec(w, x).block_until_ready()
+    best = min(timed(lambda: matvec(w, x).block_until_ready())[0] for _ in range(10))
+    return w.nbytes / best
+
+
+def weight_bytes_per_step(engine: Engine, batch: int) -> float:
+    """Parameter bytes a decode step of `batch` tokens must read: every parameter, except that
+    the embedding table gives one row per token and routed experts count only as many as the
+    tokens are expected to hit (`batch` tokens choosing top-k of E experts uniformly)."""
+    cfg = engine.cfg
+    e, k = cfg.num_experts, cfg.num_experts_per_token
+    hit = e * (1 - (1 - k / e) ** batch) / e
+    total = 0.0
+    for path, var in nnx.to_flat_state(engine.params):
+        nbytes = sum(a.nbytes for a in jax.tree.leaves(var.get_value()))
+        if path[0] == "embed":
+            nbytes *= batch / cfg.vocab_size
+        elif "experts" in path:
+            nbytes *= hit
+        total += nbytes
+    return total
+
+
+class _TokenClock:
+    """A transformers stopping criterion that never stops: it only records when each new
+    token has been appended (the first one right after prefill)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def hf_generate(model: Any, prompts: torch.Tensor, new_tokens: int
+                ) -> tuple[float, float, list[list[int]]]:
+    """Greedy `generate`: (time to first token, decode seconds for the remaining
+    new_tokens - 1 tokens, the new tokens)."""
+    clock = _TokenClock()
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model.generate(prompts, do_sample=False, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=0,
+                             stopping_criteria=StoppingCriteriaList([clock]))
+    return clock.times[0] - t0, clock.times[-1] - clock.times[0], \
+        out[:, prompts.shape[1]:].tolist()
+
+
+def agreement(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]) -> str:
+    """Leading tokens both produced, summed over the batch (random tiny models have near-ties,
+    so a late divergence is no error)."""
+    same = total = 0
+    for a, b in zip(ours, theirs, strict=True):
+        total += len(b)
+        same += next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                     min(len(a), len(b)))
+    return f"{same}/{total}"
+
+
+def transformers_section(quick: bool) -> list[Row]:
+    prompt_len, steps, repeats = (64, 16, 2) if quick else (64, 64, 5)
+    model = hf_reference.tiny_hf_model(seed=0, **SMALL_KIMI_LINEAR)
+    model.generation_config.eos_token_id = None
+    # The default kernel choice, and the hit-experts kernel forced at batch 8 (where the
+    # default picks ragged_dot: 8 tokens x top-2 = 16 slots, not fewer than 16 experts).
+    default = twin_engine(model, prompt_len, steps)
+    gathered = twin_engine(model, prompt_len, steps, moe_dense_threshold=1 << 20)
+    bandwidth = bandwidth_bytes_per_s()
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch, engine, how in ((1, default, "auto"), (8, default, "auto"),
+                               (8, gathered, "forced")):
+        prompts = rng.integers(3, engine.cfg.vocab_size, (batch, prompt_len))
+        listed, tensor = prompts.tolist(), torch.as_tensor(prompts)
+        out = interleaved({"k3text": lambda e=engine, p=listed: e.generate(p),
+                           "transformers": lambda t=tensor: hf_generate(model, t, steps)},
+                          repeats)
+        gens, runs = out["k3text"], out["transformers"]
+        ours = benchlib.median(benchlib.loop_tokens_per_s(batch, g.decode_steps,
+                                                          g.decode_seconds) for g in gens)
+        theirs = benchlib.median(batch * (steps - 1) / decode_s for _, decode_s, _ in runs)
+        # The memory-bandwidth floor: no decode step can take less than its weight reads.
+        floor = batch * bandwidth / weight_bytes_per_step(engine, batch)
+        rows.append({"section": "transformers", "batch": batch, "prompt_length": prompt_len,
+                     "new_tokens": steps,
+                     "k3text_moe_kernel": f"{expert_kernel(engine.cfg, batch)} ({how})",
+                     "k3text_tokens_per_s": ours, "transformers_tokens_per_s": theirs,
+                     "speedup": ours / theirs,
+                     "bandwidth_gb_s": bandwidth / 1e9,
+                     "weight_mb_per_step": weight_bytes_per_step(engine, batch) / 1e6,
+                     "floor_tokens_per_s": floor, "k3text_of_floor": ours / floor,
+                     "k3text_ttft_ms": benchlib.median(g.prefill_seconds for g in gens) * 1e3,
+                     "transformers_ttft_ms": benchlib.median(r[0] for r in runs) * 1e3,
+                     "tokens_agree": agreement(gens[0].output_ids, runs[0][2]),
+                     "torch_threads": torch.get_num_threads()})
+    print(table(["batch", "k3text MoE kernel", "k3text tok/s", "transformers tok/s",
+                 "k3text / transformers", "bandwidth floor tok/s", "k3text / floor",
+                 "TTFT ms (k3text / hf)", "tokens agree"],
+                [[str(r["batch"]), r["k3text_moe_kernel"], f"{r['k3text_tokens_per_s']:.1f}",
+                  f"{r['transformers_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+                  f"{r['floor_tokens_per_s']:.0f}", f"{r['k3text_of_floor']:.0%}",
+                  f"{r['k3text_ttft_ms']:.0f} / {r['transformers_ttft_ms']:.0f}",
+                  r["tokens_agree"]] for r in rows],
+                title=f"(a) decode, small Kimi Linear (hidden 512, 4 layers, 16 experts), "
+                      f"prompt {prompt_len}, {steps} new tokens, fp32, median of {repeats} "
+                      f"interleaved runs; warm-up/compile excluded; forced = "
+                      f"moe_dense_threshold set so the hit-experts kernel runs; floor = weight "
+                      f"bytes a step must read ({rows[0]['weight_mb_per_step']:.1f} MB at batch "
+                      f"1) at the measured {bandwidth / 1e9:.1f} GB/s"))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# KDA prefill forms.
+# --------------------------------------------------------------------------------------------
+
+KDA_SHAPE = dict(batch=1, heads=4, head_dim=128)
+
+
+def load_fla_naive() -> Any:
+    """fla-core's torch reference, loaded by path (`import fla` needs triton)."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("baselines: fla-core is not installed (pip install -e '.[test]')")
+    path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
+    module_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def kda_inputs(t: int, seed: int = 0) -> list[np.ndarray]:
+    """q, k (L2-normalised, as the layer feeds them), v, g in (-1, 0), beta in (0, 1)."""
+    b, h, d = KDA_SHAPE["batch"], KDA_SHAPE["heads"], KDA_SHAPE["head_dim"]
+    rng = np.random.default_rng(seed)
+
+    def unit(x):
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    q, k = (unit(rng.standard_normal((b, t, h, d))) for _ in range(2))
+    v = rng.standard_normal((b, t, h, d))
+    g = -rng.uniform(0.0, 1.0, (b, t, h, d))
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h))))
+    return [a.astype(np.float32) for a in (q, k, v, g, beta)]
+
+
+def kda_section(quick: bool) -> list[Row]:
+    lengths, repeats = ((256, 1024), 3) if quick else ((256, 1024, 4096), 5)
+    naive = load_fla_naive()
+    chunked = jax.jit(lambda *a: kda.kda_chunked(*a, chunk_size=64)[0])
+    recurrent = jax.jit(lambda *a: kda.kda_recurrent(*a)[0])
+    rows = []
+    for t in lengths:
+        inputs = kda_inputs(t)
+        device = [jax.device_put(a) for a in inputs]
+        tensors = [torch.from_numpy(a) for a in inputs]
+        forms = {
+            "chunked": lambda d=device: chunked(*d).block_until_ready(),
+            "recurrent": lambda d=device: recurrent(*d).block_until_ready(),
+            "fla_naive_chunk": lambda x=tensors: naive.naive_chunk_kda(
+                *x, scale=1.0, chunk_size=64)[0],
+        }
+        results = interleaved({name: lambda fn=fn: timed(fn) for name, fn in forms.items()},
+                              repeats)
+        reference = np.asarray(results["recurrent"][0][1])
+        for name, runs in results.items():
+            seconds = benchlib.median(s for s, _ in runs)
+            rows.append({"section": "kda", "form": name, "T": t, **KDA_SHAPE, "ms": seconds * 1e3,
+                         "tokens_per_s": KDA_SHAPE["batch"] * t / seconds,
+                         "max_abs_diff_vs_recurrent": float(np.max(np.abs(
+                             np.asarray(runs[0][1]) - reference)))})
+    by = {(r["form"], r["T"]): r["ms"] for r in rows}
+    print(table(["T", "chunked ms", "recurrent ms", "fla naive ms", "recurrent / chunked",
+                 "fla naive / chunked", "max |diff|"],
+                [[str(t), f"{by['chunked', t]:.2f}", f"{by['recurrent', t]:.2f}",
+                  f"{by['fla_naive_chunk', t]:.2f}", ratio(by["recurrent", t], by["chunked", t]),
+                  ratio(by["fla_naive_chunk", t], by["chunked", t]),
+                  f"{max(r['max_abs_diff_vs_recurrent'] for r in rows if r['T'] == t):.1e}"]
+                 for t in lengths],
+                title=f"(b) KDA prefill, B={KDA_SHAPE['batch']} H={KDA_SHAPE['heads']} "
+                      f"K=V={KDA_SHAPE['head_dim']}, fp32; jit compile excluded"))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Whole-loop jit vs jit-per-step.
+# --------------------------------------------------------------------------------------------
+
+
+def step_loop(engine: Engine, prompt: list[int], sync: bool) -> tuple[float, list[int]]:
+    """Decode with a Python loop over `Engine.step`: seconds for the steps after prefill (as
+    `Generation.decode_seconds` counts them) and the tokens. `sync` reads each step's tokens
+    back to the host before the next step, as a server checking EOS must."""
+    cfg = engine.cfg
+    key = jax.random.key(cfg.seed)
+    logits, state = engine.prefill([prompt])
+    tokens = sampling.sample(cfg, logits, key)[0]
+    out = [tokens]
+    t0 = time.perf_counter()
+    for _ in range(cfg.max_decode_steps - 1):
+        tokens, _, _, state = engine.step(tokens, state, key)
+        if sync:
+            np.asarray(tokens)
+        out.append(tokens)
+    jax.block_until_ready(out)
+    seconds = time.perf_counter() - t0
+    return seconds, [int(np.asarray(t)[0]) for t in out]
+
+
+def loop_section(quick: bool) -> list[Row]:
+    steps, repeats = (16, 3) if quick else (64, 5)
+    cfg = load_config(K3_TINY, [], max_decode_steps=steps, ignore_eos=True)
+    engine, _ = decode.build(cfg)
+    prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, 16).tolist()
+    # One warm-up call of a step loop compiles both Engine.step variants (the first step takes
+    # the sampled prefill tokens, later ones the step's own outputs).
+    out = interleaved({"loop": lambda: engine.generate([prompt]),
+                       "sync": lambda: step_loop(engine, prompt, sync=True),
+                       "async": lambda: step_loop(engine, prompt, sync=False)}, repeats)
+    loop_tps = benchlib.median(benchlib.loop_tokens_per_s(1, g.decode_steps, g.decode_seconds)
+                               for g in out["loop"])
+    tokens = out["loop"][0].output_ids[0]
+    rows = [{"section": "loop", "form": "whole loop jitted (Engine.generate)",
+             "tokens_per_s": loop_tps, "ms_per_token": 1e3 / loop_tps, "vs_whole_loop": 1.0,
+             "same_tokens": True}]
+    for name, form in (("sync", "jit-per-step, host sync each step"),
+                       ("async", "jit-per-step, async dispatch")):
+        tps = (steps - 1) / benchlib.median(seconds for seconds, _ in out[name])
+        rows.append({"section": "loop", "form": form, "tokens_per_s": tps,
+                     "ms_per_token": 1e3 / tps, "vs_whole_loop": tps / loop_tps,
+                     "same_tokens": out[name][0][1] == tokens})
+    print(table(["form", "tokens/s", "ms/token", "whole loop speedup", "same tokens"],
+                [[r["form"], f"{r['tokens_per_s']:.1f}", f"{r['ms_per_token']:.3f}",
+                  ratio(loop_tps, r["tokens_per_s"]), str(r["same_tokens"])] for r in rows],
+                title=f"(c) decode loop shape, k3-tiny, batch 1, {steps} tokens, median of "
+                      f"{repeats} interleaved runs; compile excluded"))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# MXFP4 decode step vs expert count.
+# --------------------------------------------------------------------------------------------
+
+
+def expert_bytes_per_layer(cfg: Config) -> int:
+    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+               for shape, dtype, _ in moe.expert_param_shapes(cfg).values())
+
+
+def mxfp4_section(quick: bool) -> list[Row]:
+    steps, repeats = (16, 3) if quick else (32, 5)
+    cases = [(e, fmt, 0) for fmt in ("mxfp4", "bf16") for e in (64, 512)]
+    if not quick:
+        cases += [(e, "mxfp4", 1) for e in (64, 512)]
+    engines = {}
+    for case in cases:
+        experts, fmt, threshold = case
+        cfg = load_config(K3_TINY, [], num_experts=experts, expert_weight_format=fmt,
+                          moe_dense_threshold=threshold, max_decode_steps=steps,
+                          ignore_eos=True)
+        engines[case] = decode.build(cfg)[0]
+    prompt = [np.random.default_rng(0).integers(3, engines[cases[0]].cfg.vocab_size,
+                                                8).tolist()]
+    out = interleaved({case: lambda e=engine: e.generate(prompt)
+                       for case, engine in engines.items()}, repeats)
+    rows = []
+    for (experts, fmt, threshold), gens in out.items():
+        cfg = engines[experts, fmt, threshold].cfg
+        rows.append({"section": "mxfp4", "experts": experts,
+                     "top_k": cfg.num_experts_per_token, "format": fmt,
+                     "moe_dense_threshold": threshold, "path": expert_kernel(cfg, 1),
+                     "step_ms": benchlib.median(g.decode_seconds / (g.decode_steps - 1)
+                                                for g in gens) * 1e3,
+                     "expert_mib_per_layer": expert_bytes_per_layer(cfg) / benchlib.MiB})
+    by = {(r["experts"], r["format"], r["moe_dense_threshold"]): r["step_ms"] for r in rows}
+    print(table(["experts", "format", "path", "step ms", "expert MiB/layer", "vs 64 experts",
+                 "mxfp4 / bf16"],
+                [[str(r["experts"]), r["format"], r["path"], f"{r['step_ms']:.3f}",
+                  f"{r['expert_mib_per_layer']:.2f}",
+                  ratio(r["step_ms"], by[64, r["format"], r["moe_dense_threshold"]]),
+                  ratio(r["step_ms"], by[r["experts"], "bf16", 0])
+                  if r["moe_dense_threshold"] == 0 else "-"] for r in rows],
+                title=f"(d) k3-tiny decode step, batch 1, top-{rows[0]['top_k']}, on-device "
+                      f"loop of {steps} steps, median of {repeats} interleaved runs; compile "
+                      f"excluded. bf16 = unpacked experts in weight_dtype (float32 here)"))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs.
+# --------------------------------------------------------------------------------------------
+
+
+def bars(ax: Any, labels: Sequence[str], series: Mapping[str, Sequence[float]], ylabel: str
+         ) -> None:
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([j + i * width for j in range(len(labels))], values, width, label=name)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(labels))], labels)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_transformers(rows: Sequence[Row], ax: Any) -> None:
+    bars(ax, [f"batch {r['batch']}\n{r['k3text_moe_kernel']}" for r in rows],
+         {"k3text": [r["k3text_tokens_per_s"] for r in rows],
+          "transformers": [r["transformers_tokens_per_s"] for r in rows]}, "decode tokens/s")
+
+
+def plot_kda(rows: Sequence[Row], ax: Any) -> None:
+    for form in dict.fromkeys(r["form"] for r in rows):
+        mine = [r for r in rows if r["form"] == form]
+        ax.plot([r["T"] for r in mine], [r["ms"] for r in mine], marker="o", label=form)
+    ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="ms per call")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+def plot_loop(rows: Sequence[Row], ax: Any) -> None:
+    bars(ax, [r["form"].replace(", ", "\n").replace(" (", "\n(") for r in rows],
+         {"tokens/s": [r["tokens_per_s"] for r in rows]}, "decode tokens/s")
+
+
+def plot_mxfp4(rows: Sequence[Row], ax: Any) -> None:
+    series: dict[str, list[float]] = {}
+    for r in rows:
+        name = r["format"] + (" (ragged_dot forced)" if r["moe_dense_threshold"] else "")
+        series.setdefault(name, []).append(r["step_ms"])
+    bars(ax, [f"{e} experts" for e in dict.fromkeys(r["experts"] for r in rows)], series,
+         "decode step (ms)")
+
+
+def write(section: str, rows: list[Row], out: Path, machine: Mapping[str, Any]) -> None:
+    header = {"machine": machine, "section": section}
+    benchlib.write_jsonl(out / f"{section}.jsonl", header, rows)
+    benchlib.write_csv(out / f"{section}.csv", machine, list(rows[0]), rows)
+    plt = benchlib.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    SECTIONS[section][1](rows, ax)
+    ax.set_title(f"baselines: {section}", fontsize=10)
+    benchlib.save_figure(fig, out / f"{section}.png", machine)
+    plt.close(fig)
+
+
+# name -> (measure(quick) -> rows, plot(rows, axes))
+SECTIONS: dict[str, tuple[Callable[[bool], list[Row]], Callable[[Sequence[Row], Any], None]]] = {
+    "transformers": (transformers_section, plot_transformers),
+    "kda": (kda_section, plot_kda),
+    "loop": (loop_section, plot_loop),
+    "mxfp4": (mxfp4_section, plot_mxfp4),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    parser.add_argument("--only", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--out", type=Path, default=benchlib.RESULTS / "baselines")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: see the module docstring)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
+    machine = benchlib.machine(torch=torch.__version__, torch_threads=torch.get_num_threads())
+    print(benchlib.machine_line(machine))
+    for section in args.only:
+        seconds, rows = timed(lambda s=section: SECTIONS[s][0](args.quick))
+        print(f"[{section}: {seconds:.0f} s]\n")
+        write(section, rows, args.out, machine)
+    print(f"wrote {', '.join(f'{s}.jsonl/.csv/.png' for s in args.only)} in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

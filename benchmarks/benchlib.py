@@ -1,0 +1,229 @@
+"""What every benchmark job shares: fake host devices, the machine description, timing
+statistics, and results files (JSON lines, CSV, PNG) that carry that description.
+
+Nothing here imports jax at module level: the job scripts import this module, set XLA_FLAGS,
+and only then import jax (XLA reads its flags once, when the backend starts).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+MiB = 2**20
+_COLLECTIVE = re.compile(r"\s(all-reduce|all-gather|all-to-all|ragged-all-to-all|"
+                         r"collective-permute|reduce-scatter)(?:-start)?\(")
+
+
+def with_host_devices(flags: str, count: int) -> str:
+    """XLA_FLAGS asking for `count` host (CPU) devices, unless `flags` already sets a count."""
+    if HOST_DEVICES_FLAG in flags:
+        return flags
+    return f"{flags} {HOST_DEVICES_FLAG}={count}".strip()
+
+
+# --------------------------------------------------------------------------------------------
+# The machine.
+# --------------------------------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _ram_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) * 1024 / 2**30, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _commit() -> str:
+    """The repository commit the numbers came from ("+" when the tree had local changes)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              check=False).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD")
+    return f"{commit}+" if commit and git("status", "--porcelain", "--untracked-files=no") \
+        else commit
+
+
+def machine(**extra: Any) -> dict[str, Any]:
+    """Where and with what the numbers were measured (written into every results file)."""
+    import flax
+    import jax
+    import jaxlib
+
+    devices = jax.devices()
+    backend = jax.default_backend()
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "ram_gib": _ram_gib(),
+        "backend": backend,
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+        "fake_cpu_devices": backend == "cpu" and len(devices) > 1,
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "commit": _commit(),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        **extra,
+    }
+
+
+def machine_line(m: Mapping[str, Any]) -> str:
+    """One line for plot footers and printed reports."""
+    fake = " (fake CPU devices)" if m["fake_cpu_devices"] else ""
+    return (f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB | {m['backend']} x "
+            f"{m['devices']}{fake} | jax {m['jax']} / jaxlib {m['jaxlib']} | {m['date']}")
+
+
+def rss_mib() -> float | None:
+    """Resident set size of this process now (MiB), from /proc; None where there is none."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def hlo_collectives(hlo: str) -> dict[str, int]:
+    """Collective ops in compiled HLO text, by kind (static counts: an op inside a loop body
+    counts once). Async pairs count by their -start half."""
+    counts: dict[str, int] = {}
+    for op in _COLLECTIVE.findall(hlo):
+        counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def counts_text(counts: Mapping[str, int]) -> str:
+    return " ".join(f"{op}:{n}" for op, n in counts.items()) or "-"
+
+
+# --------------------------------------------------------------------------------------------
+# Timing.
+# --------------------------------------------------------------------------------------------
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between order statistics."""
+    ordered = sorted(samples)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def median(samples: Iterable[float]) -> float:
+    return statistics.median(samples)
+
+
+def loop_tokens_per_s(batch: int, decode_steps: int, decode_seconds: float) -> float:
+    """Tokens/s of an on-device decode loop (`Engine.generate`): the first token of each
+    sequence comes from the prefill logits, so the loop's model steps are decode_steps - 1."""
+    return batch * (decode_steps - 1) / decode_seconds
+
+
+def rounded(value: Any, digits: int = 4) -> Any:
+    """Floats to `digits` significant digits for the results files (timings are not more
+    precise than that on a shared machine); everything else unchanged."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Results files.
+# --------------------------------------------------------------------------------------------
+
+
+def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+    """Write through a temporary file in the same directory, renamed into place, so a failed
+    run never leaves a half-written results file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o644)  # mkstemp makes 0600; results are for everyone to read
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_jsonl(path: Path, header: Mapping[str, Any], rows: Iterable[Mapping[str, Any]]
+                ) -> None:
+    """Line 1: `header` (the machine, what ran); then one JSON object per row."""
+
+    def write(f):
+        f.write(json.dumps(header) + "\n")
+        for row in rows:
+            f.write(json.dumps({k: rounded(v) for k, v in row.items()}) + "\n")
+
+    _atomic_write(path, write)
+
+
+def write_csv(path: Path, header: Mapping[str, Any], fields: Sequence[str],
+              rows: Iterable[Mapping[str, Any]]) -> None:
+    """`# key: value` comment lines for `header`, then a CSV table with columns `fields`
+    (read it with `pandas.read_csv(path, comment="#")`)."""
+
+    def write(f):
+        for key, value in header.items():
+            if not isinstance(value, Mapping):
+                f.write(f"# {key}: {value}\n")
+        table = csv.DictWriter(f, fields, extrasaction="ignore")
+        table.writeheader()
+        for row in rows:
+            table.writerow({k: rounded(v) for k, v in row.items()})
+
+    _atomic_write(path, write)
+
+
+def save_figure(fig: Any, path: Path, m: Mapping[str, Any]) -> None:
+    """Save a matplotlib figure with the machine line as its footer."""
+    fig.text(0.5, -0.02, machine_line(m), ha="center", va="top", fontsize=7, color="0.4")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
