@@ -27,7 +27,7 @@ from k3text import sharding
 from k3text.config import Config, ConfigError
 from k3text.inference import sampling
 from k3text.inference.state import STATE_AXES, DecodeState, cache_length, state_shapes
-from k3text.models.decoder import Decoder, unstack_groups
+from k3text.models.decoder import Decoder, split_for_unrolled
 
 
 @dataclasses.dataclass
@@ -53,7 +53,7 @@ class Engine:
         self.ctx = ctx
         self.graphdef, self.params = nnx.split(model)
         if not model.cfg.scan_layers:  # the model's config decides how its layers run
-            self.params = unstack_groups(self.params)
+            self.params = split_for_unrolled(self.params, split_experts=ctx.size("exp") == 1)
         self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnames=("state",))
         self._loop = jax.jit(self._loop_impl, static_argnames=("max_steps",),
                              donate_argnames=("state",))

@@ -43,19 +43,29 @@ log = logging.getLogger(__name__)
 class LayerExperts(NamedTuple):
     """The routed-expert weights of one MoE layer, addressed inside the stack they live in.
 
-    `arrays` keep a leading [layers] axis (the scanned group's stack; [1] for a layer outside
-    any scan) and `layer` picks one entry. Kernels index (layer, expert) in one gather, so a
-    decode step reads the experts it hits straight out of the stack. Slicing a layer's experts
-    out first, which is what a scan over stacked parameters does, copies every expert the layer
-    holds on every step: cost would follow experts held, not experts hit.
+    Stacked form: `arrays` keep a leading [layers] axis (the scanned group's stack; [1] for a
+    layer outside any scan) and `layer` picks one entry. Kernels index (layer, expert) in one
+    gather, so a decode step reads the experts it hits straight out of the stack. Slicing a
+    layer's experts out first, which is what a scan over stacked parameters does, copies every
+    expert the layer holds on every step: cost would follow experts held, not experts hit.
+
+    Split form (unrolled layers on one expert shard; see `decoder.split_for_unrolled`): each
+    name holds a tuple of per-expert arrays and `layer` is unused. The hit-experts kernel then
+    switches to the expert's own branch and multiplies its arrays in place: XLA:CPU copies any
+    slice that feeds a dot, so even a one-expert slice costs a write and a reread.
     """
 
-    arrays: dict[str, jax.Array]  # name -> [layers, experts, out, in]
+    arrays: dict[str, jax.Array | tuple[jax.Array, ...]]  # [layers, experts, out, in] or split
     layer: jax.Array  # int32 scalar
 
     @property
+    def split(self) -> bool:
+        return isinstance(next(iter(self.arrays.values())), tuple)
+
+    @property
     def held(self) -> int:
-        return next(iter(self.arrays.values())).shape[1]
+        first = next(iter(self.arrays.values()))
+        return len(first) if self.split else first.shape[1]
 
     @staticmethod
     def unstacked(arrays: dict[str, jax.Array]) -> LayerExperts:
@@ -111,14 +121,21 @@ def expert_matrices(cfg: Config, experts: LayerExperts, index: jax.Array | None 
     """(gate_up [n, 2I, D], down [n, D, I]) in the compute dtype, for the experts at `index`
     (all held experts when None). Packed MXFP4 experts are narrowed first, then dequantised,
     so only the selected experts are ever expanded."""
-    dtype = compute_dtype(cfg)
-
     def pick(name: str) -> jax.Array:
         a = experts.arrays[name]
+        if experts.split:  # the grouped kernel over split experts: restack them
+            a = jnp.stack(a)
+            return a if index is None else a[index]
         if index is None:
             return jax.lax.dynamic_index_in_dim(a, experts.layer, 0, keepdims=False)
         return a[experts.layer, index]
 
+    return _dequantized(cfg, pick)
+
+
+def _dequantized(cfg: Config, pick: Any) -> tuple[jax.Array, jax.Array]:
+    """(gate_up, down) in the compute dtype from `pick(name)`, the stored arrays by name."""
+    dtype = compute_dtype(cfg)
     if cfg.expert_weight_format == "mxfp4":
         gate_up = mxfp4.dequantize_mxfp4(pick("gate_up_packed"), pick("gate_up_scale"), dtype)
         down = mxfp4.dequantize_mxfp4(pick("down_packed"), pick("down_scale"), dtype)
@@ -170,16 +187,26 @@ def experts_gathered(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: j
     dtype, prec = compute_dtype(cfg), precision(cfg)
     k = local_ids.shape[-1]
 
+    def ffn(gate_up: jax.Array, down: jax.Array, row: jax.Array) -> jax.Array:
+        h = jnp.dot(gate_up, row, precision=prec, preferred_element_type=FP32)
+        return jnp.dot(down, _expert_glu(cfg, h).astype(dtype), precision=prec,
+                       preferred_element_type=FP32)
+
+    def expert_branch(e: int):
+        return lambda row: ffn(*_dequantized(cfg, lambda name: experts.arrays[name][e]), row)
+
     def one_slot(out, slot):
         token, expert, weight = slot // k, local_ids.reshape(-1)[slot], weights.reshape(-1)[slot]
         here = (expert >= 0) & (expert < held)
+        expert = jnp.clip(expert, 0, held - 1)
 
         def apply(out):
-            gate_up, down = expert_matrices(cfg, experts, jnp.clip(expert, 0, held - 1)[None])
             row = x[token].astype(dtype)
-            h = jnp.dot(gate_up[0], row, precision=prec, preferred_element_type=FP32)
-            y = jnp.dot(down[0], _expert_glu(cfg, h).astype(dtype), precision=prec,
-                        preferred_element_type=FP32)
+            if experts.split:
+                y = jax.lax.switch(expert, [expert_branch(e) for e in range(held)], row)
+            else:
+                gate_up, down = expert_matrices(cfg, experts, expert[None])
+                y = ffn(gate_up[0], down[0], row)
             return out.at[token].add(weight * y)
 
         return jax.lax.cond(here, apply, lambda out: out, out), None
@@ -340,9 +367,13 @@ class MoE(nnx.Module):
         z = tokens
         if cfg.routed_expert_hidden_size:
             z = matmul(cfg, tokens, self.routed_expert_down_proj[...])
-        arrays = {name: p[...] for name, p in self.experts.items()}
-        experts = LayerExperts.unstacked(arrays) if stack_index is None else \
-            LayerExperts(arrays, jnp.asarray(stack_index, jnp.int32))
+        arrays = {name: p.get_value() for name, p in self.experts.items()}
+        if stack_index is not None:
+            experts = LayerExperts(arrays, jnp.asarray(stack_index, jnp.int32))
+        elif isinstance(next(iter(arrays.values())), tuple):
+            experts = LayerExperts(arrays, jnp.int32(0))  # split per expert
+        else:
+            experts = LayerExperts.unstacked(arrays)
         axes = {name: spec[2] for name, spec in expert_param_shapes(cfg).items()}
         y = routed_experts(cfg, z, weights, ids, experts, axes).astype(compute_dtype(cfg))
         if cfg.routed_expert_hidden_size:

@@ -253,37 +253,52 @@ class Decoder(nnx.Module):
 
 
 def group_slice(tree: Any, g: int) -> Any:
-    """Group g's parameters: a slice of each stacked array, or the g-th array of a stack that
-    `unstack_groups` already split."""
+    """Group g's parameters: a slice of each stacked array, or the g-th piece of a stack that
+    `split_for_unrolled` already split."""
     return jax.tree.map(lambda v: v[g], tree, is_leaf=lambda v: isinstance(v, tuple))
 
 
-def unstack_groups(params: nnx.State) -> nnx.State:
-    """`params` with every stacked array of the scanned groups split into a tuple of per-group
-    arrays, each in its slice's sharding; for unrolled execution (`scan_layers: false`).
+def split_for_unrolled(params: nnx.State, split_experts: bool) -> nnx.State:
+    """`params` made ready for unrolled execution (`scan_layers: false`): every stacked array of
+    the scanned groups becomes a tuple of per-group arrays and, when `split_experts`, every
+    routed-expert array a tuple of per-expert arrays (inside the per-group tuple); each piece
+    keeps its slice's sharding, so experts may be split only where no mesh axis splits them.
 
-    A compiled program that slices a layer out of a stack copies it (XLA:CPU materialises every
-    slice feeding a dot), so an unrolled decode step over stacked weights writes and rereads
-    them all; split once here, each layer's weights are read in place. A scanned program
-    (TPU) fuses the slice into its consumers and keeps the stacks."""
+    A compiled program that slices a weight out of a larger array copies it (XLA:CPU
+    materialises every slice that feeds a dot), so an unrolled decode step over stacked weights
+    writes and rereads them all, and each hit expert is copied before its matmul. Split once
+    here, every weight is read in place (`moe.LayerExperts`). A scanned program (TPU) fuses its
+    slices into their consumers and keeps the stacks."""
     flat = nnx.to_flat_state(params)
-    stacked = {"/".join(map(str, path)): var.get_value() for path, var in flat
-               if path[0] == "groups" and not isinstance(var.get_value(), tuple)}
+    levels = {}
+    for path, var in flat:
+        n = (path[0] == "groups") + (split_experts and "experts" in path)
+        if n and not isinstance(var.get_value(), tuple):
+            levels["/".join(map(str, path))] = n
+    arrays = {"/".join(map(str, path)): var.get_value() for path, var in flat}
 
-    def slice_sharding(a: jax.Array) -> jax.sharding.Sharding:
+    def split(a: Any, n: int) -> Any:
+        return a if n == 0 else tuple(split(a[i], n - 1) for i in range(a.shape[0]))
+
+    def pieces_sharding(a: jax.Array, n: int) -> Any:
         s = a.sharding
         if isinstance(s, jax.sharding.NamedSharding):
-            return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[1:]))
-        return s
+            s = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[n:]))
+        return _nest(s, a.shape[:n])
 
-    # One program splits every stack (a program per array would cost a compile each).
-    split = jax.jit(
-        lambda tree: {k: tuple(a[g] for g in range(a.shape[0])) for k, a in tree.items()},
-        out_shardings={k: (slice_sharding(a),) * a.shape[0] for k, a in stacked.items()},
-    )(stacked)
+    # One program splits everything (a program per array would cost a compile each).
+    pieces = jax.jit(
+        lambda tree: {k: split(a, levels[k]) for k, a in tree.items()},
+        out_shardings={k: pieces_sharding(arrays[k], n) for k, n in levels.items()},
+    )({k: arrays[k] for k in levels})
     keys = ["/".join(map(str, path)) for path, _ in flat]
-    return nnx.from_flat_state([(path, var.replace(split[k]) if k in split else var)
+    return nnx.from_flat_state([(path, var.replace(pieces[k]) if k in pieces else var)
                                 for k, (path, var) in zip(keys, flat, strict=True)])
+
+
+def _nest(leaf: Any, shape: tuple[int, ...]) -> Any:
+    """Nested tuples of `leaf` with the given lengths."""
+    return leaf if not shape else tuple(_nest(leaf, shape[1:]) for _ in range(shape[0]))
 
 
 def _set(stacked: jax.Array, slot: Any, value: jax.Array) -> jax.Array:
