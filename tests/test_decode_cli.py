@@ -52,6 +52,7 @@ def test_prompts_file_keeps_input_order_across_batches(config, tmp_path):
     ('{"prompt": "ok"}\n{"prompt": \n', "prompts.jsonl:2: invalid JSON"),
     ('{"prompt_ids": [1, "x"]}\n', "prompts.jsonl:1: \"prompt_ids\" must be a non-empty list"),
     ('{"text": "no"}\n', "prompts.jsonl:1: each line must be an object with exactly one of"),
+    ('{"prompt": "ok", "expected": 3}\n', "prompts.jsonl:1: \"expected\" must be a string"),
 ])
 def test_malformed_prompts_file_names_the_line(config, tmp_path, capsys, content, message):
     prompts = tmp_path / "prompts.jsonl"

@@ -39,7 +39,6 @@ from k3text.layers.normalizations import rms_norm
 log = logging.getLogger(__name__)
 
 
-
 class LayerExperts(NamedTuple):
     """The routed-expert weights of one MoE layer, addressed inside the stack they live in.
 
@@ -68,7 +67,13 @@ class LayerExperts(NamedTuple):
         return len(first) if self.split else first.shape[1]
 
     @staticmethod
-    def unstacked(arrays: dict[str, jax.Array]) -> LayerExperts:
+    def of(arrays: dict[str, Any], stack_index: Any = None) -> LayerExperts:
+        """The experts of one layer from its parameter values: a whole stack and this layer's
+        `stack_index` in it, a split layer, or one layer's [experts, ...] arrays."""
+        if stack_index is not None:
+            return LayerExperts(arrays, jnp.asarray(stack_index, jnp.int32))
+        if isinstance(next(iter(arrays.values())), tuple):
+            return LayerExperts(arrays, jnp.int32(0))
         return LayerExperts({name: a[None] for name, a in arrays.items()}, jnp.int32(0))
 
 
@@ -123,7 +128,7 @@ def expert_matrices(cfg: Config, experts: LayerExperts, index: jax.Array | None 
     so only the selected experts are ever expanded."""
     def pick(name: str) -> jax.Array:
         a = experts.arrays[name]
-        if experts.split:  # the grouped kernel over split experts: restack them
+        if experts.split:  # the grouped kernel over split experts restacks them (a copy)
             a = jnp.stack(a)
             return a if index is None else a[index]
         if index is None:
@@ -150,7 +155,7 @@ def _expert_glu(cfg: Config, h: jax.Array) -> jax.Array:
 
 def experts_grouped(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: jax.Array,
                     experts: LayerExperts) -> jax.Array:
-    """Weighted sum over each token's routed experts that live in `params`.
+    """Weighted sum over each token's routed experts that live in `experts`.
 
     x [N, D]; weights, local_ids [N, k] with ids relative to the first held expert (ids outside
     [0, held) belong to other devices and contribute nothing). Rows are sorted by expert and
@@ -367,13 +372,8 @@ class MoE(nnx.Module):
         z = tokens
         if cfg.routed_expert_hidden_size:
             z = matmul(cfg, tokens, self.routed_expert_down_proj[...])
-        arrays = {name: p.get_value() for name, p in self.experts.items()}
-        if stack_index is not None:
-            experts = LayerExperts(arrays, jnp.asarray(stack_index, jnp.int32))
-        elif isinstance(next(iter(arrays.values())), tuple):
-            experts = LayerExperts(arrays, jnp.int32(0))  # split per expert
-        else:
-            experts = LayerExperts.unstacked(arrays)
+        experts = LayerExperts.of({name: p.get_value() for name, p in self.experts.items()},
+                                  stack_index)
         axes = {name: spec[2] for name, spec in expert_param_shapes(cfg).items()}
         y = routed_experts(cfg, z, weights, ids, experts, axes).astype(compute_dtype(cfg))
         if cfg.routed_expert_hidden_size:

@@ -275,7 +275,8 @@ def split_for_unrolled(params: nnx.State, split_experts: bool) -> nnx.State:
         n = (path[0] == "groups") + (split_experts and "experts" in path)
         if n and not isinstance(var.get_value(), tuple):
             levels["/".join(map(str, path))] = n
-    arrays = {"/".join(map(str, path)): var.get_value() for path, var in flat}
+    stacked = {"/".join(map(str, path)): var.get_value() for path, var in flat}
+    stacked = {k: stacked[k] for k in levels}
 
     def split(a: Any, n: int) -> Any:
         return a if n == 0 else tuple(split(a[i], n - 1) for i in range(a.shape[0]))
@@ -289,8 +290,8 @@ def split_for_unrolled(params: nnx.State, split_experts: bool) -> nnx.State:
     # One program splits everything (a program per array would cost a compile each).
     pieces = jax.jit(
         lambda tree: {k: split(a, levels[k]) for k, a in tree.items()},
-        out_shardings={k: pieces_sharding(arrays[k], n) for k, n in levels.items()},
-    )({k: arrays[k] for k in levels})
+        out_shardings={k: pieces_sharding(stacked[k], n) for k, n in levels.items()},
+    )(stacked)
     keys = ["/".join(map(str, path)) for path, _ in flat]
     return nnx.from_flat_state([(path, var.replace(pieces[k]) if k in pieces else var)
                                 for k, (path, var) in zip(keys, flat, strict=True)])
