@@ -90,7 +90,7 @@ def _missing_shard(hf_dir):
 def _wrong_shape(hf_dir):
     name = LAYER + "self_attn.q_proj.weight"
     shard = rewrite_shard(hf_dir, name, lambda t: t.update({name: t[name][:-1]}))
-    return shard, f"{name!r}: shape [63, 64] does not fit k3text lead.1.mixer.q_proj " \
+    return shard, f"{name!r}: shape [63, 64] does not fit k3text lead.1.mixer.qkv_proj " \
                   "(the model config expects [64, 64])"
 
 
@@ -142,7 +142,7 @@ def test_dry_run_reads_only_headers_and_prints_the_inventory(source, capsys, mon
     row = {line[:32].strip(): line[32:].split() for line in lines[2:]}
     assert row["text tensors"] == ["1,492", "1,492"]
     assert row["vision tensors (dropped)"] == ["2", "-"]
-    assert row["after fusing gate+up"] == ["327", "327"]
+    assert row["k3text tensors they fill"] == ["295", "295"]
     assert row["stacked per MoE layer"] == ["48", "48"]
     assert lines[-1] == "ok: the checkpoint matches the model config"
 

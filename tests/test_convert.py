@@ -74,8 +74,11 @@ def test_config_json_reads_back_to_the_same_model(model):
 
 def test_kimi_k3_inventory_from_its_config_alone(capsys):
     inv = convert.expected_inventory(load_config(MODELS / "kimi-k3.yml"), "k3")
+    # K3_MODEL.md §3.2: 2,460 non-expert tensors, 2,367 once gate+up are fused; k3text also
+    # fuses each KDA layer's q/k/v projections and convs (69 x (6 -> 2)) and splits each MLA
+    # kv_b_proj in two (24 x (1 -> 2)).
     assert (inv.text, inv.non_expert, inv.non_expert_fused, inv.expert, inv.expert_stacked) \
-        == (497_052, 2_460, 2_367, 494_592, 368)
+        == (497_052, 2_460, 2_367 - 69 * 4 + 24, 494_592, 368)
     assert inv.tensors_by_dtype == {"BF16": 1_954, "F32": 506, "U8": 494_592}
     gib = {k: round(v / 2**30, 2) for k, v in inv.bytes_by_dtype.items()}
     assert gib == {"BF16": 105.67, "F32": 0.04, "U8": 1347.12}

@@ -9,10 +9,10 @@ Three steps, each its own function:
    every safetensors header, detect the layout (`names.detect_layout`), derive the model config,
    or check it against `--model-config` naming every key that disagrees.
 2. `make_plan`: from the headers alone, map every tensor through the layout's name table to the
-   region of the k3text parameter it fills (vision tensors dropped, gate+up fused, experts
-   stacked per layer, layers per scan group) and check names, shapes, dtypes, overlaps and
-   coverage. `--dry-run` stops here and prints the inventory next to the one the model config
-   expects (`expected_inventory`).
+   region of the k3text parameter it fills (vision tensors dropped, gate+up and KDA q/k/v fused,
+   kv_b_proj split into its k and v halves, experts stacked per layer, layers per scan group)
+   and check names, shapes, dtypes, overlaps and coverage. `--dry-run` stops here and prints
+   the inventory next to the one the model config expects (`expected_inventory`).
 3. `convert`: stream the tensors in storage order, one at a time, into their regions of the
    stored arrays (`store`), so memory holds about one tensor plus the writes in flight, never
    the checkpoint; then write the model config and move the result into place.
@@ -201,7 +201,7 @@ def _check_block(source: Source, slot: names.Slot, info: Any, index: store.Index
     if got != want:
         hf_shape = names.from_k3text(cfg, slot, _stand_in(want, np.dtype(target.dtype)),
                                      source.layout)
-        part = " for the part filling it" if slot.source else ""
+        part = " for the part filling it" if names.is_part(slot) else ""
         return (f"shape {list(info.shape)} does not fit k3text {param} (the model config "
                 f"expects {list(hf_shape.shape)}{part})")
     if not _castable(info.dtype, np.dtype(target.dtype)):
@@ -239,7 +239,7 @@ class Inventory:
     text: int  # text tensors
     vision: int  # tensors dropped with the vision tower
     non_expert: int
-    non_expert_fused: int  # k3text per-layer tensors they fill (gate+up fused)
+    non_expert_fused: int  # k3text per-layer tensors they fill (gate+up, q/k/v fused)
     expert: int  # routed-expert tensors
     expert_stacked: int  # per-layer expert stacks they fill
     arrays: int  # k3text parameter arrays (scan groups stacked)
@@ -260,7 +260,7 @@ _LABELS = {
     "text": "text tensors",
     "vision": "  vision tensors (dropped)",
     "non_expert": "non-expert tensors",
-    "non_expert_fused": "  after fusing gate+up",
+    "non_expert_fused": "  k3text tensors they fill",
     "expert": "expert tensors",
     "expert_stacked": "  stacked per MoE layer",
     "arrays": "k3text parameter arrays",

@@ -145,10 +145,10 @@ def hf_tensors(cfg: Config, values: Mapping[Path, np.ndarray], layout: str,
     """(HF name, array) for every tensor of a `layout` checkpoint holding `values` (flat
     parameters keyed like `params_from_tensors` returns them); its inverse."""
     for name in tensor_names(cfg, layout):
+        slots = names.slots_for(cfg, name, layout)
         parts = []
-        for slot in names.slots_for(cfg, name, layout):
+        for slot in slots:
             path, index = destination(cfg, slot)
             block = np.asarray(values[_key(path)])[index]
             parts.append(names.from_k3text(cfg, slot, block, layout))
-        # A fused tensor's parts are consecutive along its first axis (transformers' conv1d).
-        yield name, parts[0] if len(parts) == 1 else np.concatenate(parts)
+        yield name, names.join_parts(cfg, slots, parts)

@@ -70,8 +70,9 @@ def to_k3text(cfg: Config, slot: Slot, array: np.ndarray) -> np.ndarray:
         return array.reshape(array.shape[0], -1).T
     if kind == "a_log":  # [1, 1, H, 1] or [K] padded: the first H entries are meaningful
         return array.reshape(-1)[: cfg.linear_attn_config.num_heads]
-    if kind == "kv_b":  # [H * (nope + v), kv_lora] -> [kv_lora, H, nope + v]
-        return array.T.reshape(cfg.kv_lora_rank, cfg.num_attention_heads, -1)
+    if kind in _KV_B:  # [H * (nope + v), kv_lora] -> [H, kv_lora, nope] or [H, kv_lora, v]
+        per_head = array.reshape(cfg.num_attention_heads, -1, cfg.kv_lora_rank)
+        return per_head[:, _kv_b_rows(cfg, kind)].transpose(0, 2, 1)
     if kind == "experts_fused":  # in-memory [E, out, in] already in k3text's expert layout
         return array
     raise ValueError(f"unknown slot kind {kind}")
@@ -94,36 +95,65 @@ def from_k3text(cfg: Config, slot: Slot, block: np.ndarray, layout: str) -> np.n
         if layout == "k3":  # the released checkpoint pads A_log to head_dim
             return np.pad(block, (0, cfg.linear_attn_config.head_dim - block.shape[0]))
         return block.reshape(1, 1, -1, 1)
-    if kind == "kv_b":
-        return block.reshape(cfg.kv_lora_rank, -1).T
+    if kind in _KV_B:  # this half's rows of every head, [H * (nope or v), kv_lora]
+        return block.transpose(0, 2, 1).reshape(-1, cfg.kv_lora_rank)
     raise ValueError(f"unknown slot kind {kind}")
+
+
+def join_parts(cfg: Config, slots: list[Slot], parts: list[np.ndarray]) -> np.ndarray:
+    """One HF tensor from the `from_k3text` parts of its slots (their rows add up to the
+    tensor's): kv_b_proj interleaves its k and v rows head by head; the parts of other fused
+    tensors (transformers' conv1d) follow one another."""
+    if len(parts) == 1:
+        return parts[0]
+    if slots[0].kind in _KV_B:
+        heads = cfg.num_attention_heads
+        per_head = [p.reshape(heads, -1, cfg.kv_lora_rank) for p in parts]
+        return np.concatenate(per_head, axis=1).reshape(-1, cfg.kv_lora_rank)
+    return np.concatenate(parts)
+
+
+def is_part(slot: Slot) -> bool:
+    """Whether the slot takes only part of its HF tensor."""
+    return bool(slot.source) or slot.kind in _KV_B
+
+
+# kv_b_proj's halves: per head, its first qk_nope_head_dim rows map the latent to k_nope, the
+# remaining v_head_dim rows to v.
+_KV_B = ("kv_b_k", "kv_b_v")
+
+
+def _kv_b_rows(cfg: Config, kind: str) -> slice:
+    nope = cfg.qk_nope_head_dim
+    return slice(0, nope) if kind == "kv_b_k" else slice(nope, None)
 
 
 # --------------------------------------------------------------------------------------------
 # Rules: (regex over the name after the layer prefix, builder) per layout.
 # --------------------------------------------------------------------------------------------
 
-Builder = Callable[[Config, re.Match], Slot | list[Slot]]
+# (config, the name's match, its decoder layer or None) -> where the tensor goes.
+Builder = Callable[[Config, re.Match, int | None], Slot | list[Slot]]
 
 
 def _linear(*path: str) -> Builder:
-    return lambda cfg, m: Slot(path, None, (), _LINEAR)
+    return lambda cfg, m, layer: Slot(path, None, (), _LINEAR)
 
 
 def _copy(*path: str, kind: str = "copy") -> Builder:
-    return lambda cfg, m: Slot(path, None, (), kind)
+    return lambda cfg, m, layer: Slot(path, None, (), kind)
 
 
 def _pair(path: tuple[str, ...], part: int) -> Builder:
     """Gate (0) or up (1) half of a fused [hidden, 2, width] MLP kernel."""
-    return lambda cfg, m: Slot(path, None, (slice(None), part, slice(None)), _LINEAR)
+    return lambda cfg, m, layer: Slot(path, None, (slice(None), part, slice(None)), _LINEAR)
 
 
 def _expert(name: str, part: int | None) -> Builder:
     """One expert's matrix into the stacked [E, out, in] tensors (`part` picks the gate/up rows
     of the fused gate_up; MXFP4 packed bytes and scales follow the same rows)."""
 
-    def build(cfg: Config, m: re.Match) -> Slot:
+    def build(cfg: Config, m: re.Match, layer: int | None) -> Slot:
         e = int(m["expert"])
         suffix = m.groupdict().get("q") or ""
         leaf = {"": "", "weight_packed": "_packed", "weight_scale": "_scale"}[suffix]
@@ -136,16 +166,30 @@ def _expert(name: str, part: int | None) -> Builder:
     return build
 
 
-def _fused_conv(cfg: Config, m: re.Match) -> list[Slot]:
-    """transformers' fused conv1d [3C, 1, W] over concat(q, k, v) -> three [W, C] kernels."""
+_QKV = "qkv"
+
+
+def _qkv_part(path: tuple[str, ...], kind: str) -> Builder:
+    """The q, k or v part (named by the `p` group) of a fused KDA [in, 3, H*K] kernel; an MLA
+    layer's `q_proj` (same HF name) is its own kernel."""
+
+    def build(cfg: Config, m: re.Match, layer: int | None) -> Slot:
+        if layer is not None and cfg.structure.layers[layer].mixer == "mla":
+            return Slot(("mixer", f"{m['p']}_proj"), None, (), kind)
+        return Slot(path, None, (slice(None), _QKV.index(m["p"]), slice(None)), kind)
+
+    return build
+
+
+def _fused_conv(cfg: Config, m: re.Match, layer: int | None) -> list[Slot]:
+    """transformers' fused conv1d [3C, 1, W] over concat(q, k, v) -> the [W, 3, C] kernel."""
     width = cfg.linear_attn_config.num_heads * cfg.linear_attn_config.head_dim
-    return [Slot(("mixer", name), None, (), "conv", (slice(i * width, (i + 1) * width),))
-            for i, name in enumerate(("q_conv", "k_conv", "v_conv"))]
+    return [Slot(("mixer", "qkv_conv"), None, (slice(None), i, slice(None)), "conv",
+                 (slice(i * width, (i + 1) * width),)) for i in range(len(_QKV))]
 
 
 _KDA_COMMON = [
-    (r"self_attn\.(?P<p>[qkv])_proj\.weight", lambda cfg, m: Slot(("mixer", f"{m['p']}_proj"),
-                                                                  None, (), _LINEAR)),
+    (r"self_attn\.(?P<p>[qkv])_proj\.weight", _qkv_part(("mixer", "qkv_proj"), _LINEAR)),
     (r"self_attn\.b_proj\.weight", _linear("mixer", "b_proj")),
     (r"self_attn\.g_a_proj\.weight", _linear("mixer", "g_a_proj")),
     (r"self_attn\.g_b_proj\.weight", _linear("mixer", "g_b_proj")),
@@ -153,21 +197,21 @@ _KDA_COMMON = [
     (r"self_attn\.o_proj\.weight", _linear("mixer", "o_proj")),
 ]
 _KDA_SEPARATE = [
-    (r"self_attn\.(?P<p>[qkv])_conv1d\.weight", lambda cfg, m: Slot(("mixer", f"{m['p']}_conv"),
-                                                                    None, (), "conv")),
+    (r"self_attn\.(?P<p>[qkv])_conv1d\.weight", _qkv_part(("mixer", "qkv_conv"), "conv")),
     (r"self_attn\.f_a_proj\.weight", _linear("mixer", "f_a_proj")),
     (r"self_attn\.f_b_proj\.weight", _linear("mixer", "f_b_proj")),
     (r"self_attn\.A_log", _copy("mixer", "A_log", kind="a_log")),
     (r"self_attn\.dt_bias", _copy("mixer", "dt_bias")),
 ]
 _MLA = [
-    (r"self_attn\.q_proj\.weight", _linear("mixer", "q_proj")),
     (r"self_attn\.q_a_proj\.weight", _linear("mixer", "q_a_proj")),
     (r"self_attn\.q_a_layernorm\.weight", _copy("mixer", "q_a_layernorm")),
     (r"self_attn\.q_b_proj\.weight", _linear("mixer", "q_b_proj")),
     (r"self_attn\.kv_a_proj_with_mqa\.weight", _linear("mixer", "kv_a_proj")),
     (r"self_attn\.kv_a_layernorm\.weight", _copy("mixer", "kv_a_layernorm")),
-    (r"self_attn\.kv_b_proj\.weight", _copy("mixer", "kv_b_proj", kind="kv_b")),
+    (r"self_attn\.kv_b_proj\.weight",
+     lambda cfg, m, layer: [Slot(("mixer", "k_b_proj"), None, (), "kv_b_k"),
+                            Slot(("mixer", "v_b_proj"), None, (), "kv_b_v")]),
 ]
 _NORMS = [
     (r"input_layernorm\.weight", _copy("input_layernorm", "weight")),
@@ -222,9 +266,9 @@ LAYER_RULES: dict[str, list] = {
     "k3": (_NORMS + _KDA_COMMON + _KDA_SEPARATE + _MLA + _mlp_rules("mlp") + [
         (r"self_attn\.g_proj\.weight", _linear("mixer", "g_proj")),
         (r"(?P<n>self_attention_res|mlp_res)_proj\.weight",
-         lambda cfg, m: Slot((f"{m['n']}_proj",), None, (), "row")),
+         lambda cfg, m, layer: Slot((f"{m['n']}_proj",), None, (), "row")),
         (r"(?P<n>self_attention_res|mlp_res)_norm\.weight",
-         lambda cfg, m: Slot((f"{m['n']}_norm",), None, ())),
+         lambda cfg, m, layer: Slot((f"{m['n']}_norm",), None, ())),
         (r"block_sparse_moe\.routed_expert_down_proj\.weight",
          _linear("mlp", "routed_expert_down_proj")),
         (r"block_sparse_moe\.routed_expert_up_proj\.weight",
@@ -277,7 +321,7 @@ def slots_for(cfg: Config, name: str, layout: str) -> list[Slot] | None:
     if found is None:
         raise UnknownTensorError(f"no {layout} name rule for tensor '{name}'")
     match, build = found
-    built = build(cfg, match)
+    built = build(cfg, match, layer)
     slots = built if isinstance(built, list) else [built]
     return [dataclasses.replace(s, layer=layer) for s in slots]
 
@@ -370,10 +414,14 @@ def _layer_names(cfg: Config, layout: str, path: tuple[str, ...]) -> list[str]:
             return [f"{norm}.weight"]
         case (attn_res,):
             return [f"{attn_res}.weight"]
-        case ("mixer", "q_conv" | "k_conv" | "v_conv") if sp.fused_conv:
+        case ("mixer", "k_b_proj" | "v_b_proj"):
+            return ["self_attn.kv_b_proj.weight"]
+        case ("mixer", "qkv_proj"):
+            return [f"self_attn.{p}_proj.weight" for p in _QKV]
+        case ("mixer", "qkv_conv") if sp.fused_conv:
             return ["self_attn.conv1d.weight"]
-        case ("mixer", "q_conv" | "k_conv" | "v_conv"):
-            return [f"self_attn.{path[1][0]}_conv1d.weight"]
+        case ("mixer", "qkv_conv"):
+            return [f"self_attn.{p}_conv1d.weight" for p in _QKV]
         case ("mixer", "f_a_proj" | "f_b_proj"):
             return [f"{sp.decay}.{path[1]}.weight"]
         case ("mixer", "A_log" | "dt_bias"):

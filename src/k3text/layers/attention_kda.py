@@ -61,14 +61,17 @@ class KDAAttention(nnx.Module):
         hidden, heads, dim = cfg.hidden_size, lin.num_heads, lin.head_dim
         width = heads * dim
         wdt = weight_dtype(cfg)
-        self.q_proj = init.fan_in((hidden, width), ("embed", "heads"), wdt)
-        self.k_proj = init.fan_in((hidden, width), ("embed", "heads"), wdt)
-        self.v_proj = init.fan_in((hidden, width), ("embed", "heads"), wdt)
-        # Depthwise causal conv kernels [W, H*K], stored fp32 as the checkpoints do.
+        # q, k and v share their input: one kernel [hidden, 3, H*K] makes one matmul of the
+        # three (at decode, one large matrix-vector product streams weights faster than three
+        # small ones), and the (q, k, v) axis keeps each tensor-parallel shard's three parts on
+        # the same device, as MLP.wi does for gate and up.
+        self.qkv_proj = init.fan_in((hidden, 3, width), ("embed", None, "heads"), wdt,
+                                    fan_in=hidden)
+        # Depthwise causal conv kernels [W, 3, H*K] over (q, k, v), stored fp32 as the
+        # checkpoints do; laid out like the conv state.
         kernel = lin.short_conv_kernel_size
-        self.q_conv = init.fan_in((kernel, width), (None, "heads"), FP32, fan_in=kernel)
-        self.k_conv = init.fan_in((kernel, width), (None, "heads"), FP32, fan_in=kernel)
-        self.v_conv = init.fan_in((kernel, width), (None, "heads"), FP32, fan_in=kernel)
+        self.qkv_conv = init.fan_in((kernel, 3, width), (None, None, "heads"), FP32,
+                                    fan_in=kernel)
         # Low-rank decay projection hidden -> head_dim -> H*K, then the gate function.
         self.f_a_proj = init.fan_in((hidden, dim), ("lora_in", "kda_rank"), wdt)
         self.f_b_proj = init.fan_in((dim, width), ("kda_rank", "heads"), wdt)
@@ -116,12 +119,18 @@ class KDAAttention(nnx.Module):
         o = o.reshape(*o.shape[:-2], -1).astype(compute_dtype(cfg))
         return matmul(cfg, o, self.o_proj[...])
 
-    def _projections(self, x: jax.Array) -> list[jax.Array]:
-        return [matmul(self.cfg, x, w[...]) for w in (self.q_proj, self.k_proj, self.v_proj)]
+    def _qkv(self, x: jax.Array) -> jax.Array:
+        """x [..., hidden] -> the q, k, v projections [..., 3, H*K]."""
+        cfg = self.cfg
+        dtype = compute_dtype(cfg)
+        return jnp.einsum("...d,dpf->...pf", x.astype(dtype), self.qkv_proj[...].astype(dtype),
+                          precision=precision(cfg))
 
-    @property
-    def _convs(self) -> list[jax.Array]:
-        return [w[...] for w in (self.q_conv, self.k_conv, self.v_conv)]
+    def _mix(self, y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Convolved q, k, v [..., 3, H*K] -> SiLU, then (q, k, v) per head [..., H, K]."""
+        y = jax.nn.silu(y.astype(FP32))
+        q, k = self._qk(y[..., 0, :], y[..., 1, :])
+        return q, k, self._split_heads(y[..., 2, :])
 
     # ---- entry points ---------------------------------------------------------------------
 
@@ -133,15 +142,9 @@ class KDAAttention(nnx.Module):
         """
         cfg, prec = self.cfg, precision(self.cfg)
         lengths = None if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
-        conv_in = None if state is None else state.conv
-        mixed, new_conv = [], []
-        for i, (h, w) in enumerate(zip(self._projections(x), self._convs, strict=True)):
-            y, s = kda_ops.causal_conv1d(h, w, None if conv_in is None else conv_in[:, :, i],
-                                         lengths=lengths)
-            mixed.append(jax.nn.silu(y.astype(FP32)))
-            new_conv.append(s)
-        q, k = self._qk(mixed[0], mixed[1])
-        v = self._split_heads(mixed[2])
+        y, conv = kda_ops.causal_conv1d(self._qkv(x), self.qkv_conv[...],
+                                        None if state is None else state.conv, lengths=lengths)
+        q, k, v = self._mix(y)
         q, k, v = (sharding.constrain(t, ("batch", None, "heads", None)) for t in (q, k, v))
         g, beta = self._gates(x)
         if valid is not None:  # padding tokens: no decay, no write
@@ -150,18 +153,13 @@ class KDAAttention(nnx.Module):
         initial = None if state is None else state.recurrent
         o, recurrent = kda_ops.kda_chunked(q, k, v, g, beta, initial_state=initial,
                                            chunk_size=cfg.kda_chunk_size, precision=prec)
-        return self._output(x, o), KDAState(recurrent, jnp.stack(new_conv, axis=2))
+        return self._output(x, o), KDAState(recurrent, conv)
 
     def step(self, x: jax.Array, state: KDAState) -> tuple[jax.Array, KDAState]:
         """One decode token per sequence: x [B, hidden] -> (y [B, hidden], new state)."""
         prec = precision(self.cfg)
-        mixed, new_conv = [], []
-        for i, (h, w) in enumerate(zip(self._projections(x), self._convs, strict=True)):
-            y, s = kda_ops.causal_conv1d_step(h, w, state.conv[:, :, i])
-            mixed.append(jax.nn.silu(y.astype(FP32)))
-            new_conv.append(s)
-        q, k = self._qk(mixed[0], mixed[1])
-        v = self._split_heads(mixed[2])
+        y, conv = kda_ops.causal_conv1d_step(self._qkv(x), self.qkv_conv[...], state.conv)
+        q, k, v = self._mix(y)
         g, beta = self._gates(x)
         o, recurrent = kda_ops.kda_step(q, k, v, g, beta, state.recurrent, precision=prec)
-        return self._output(x, o), KDAState(recurrent, jnp.stack(new_conv, axis=2))
+        return self._output(x, o), KDAState(recurrent, conv)

@@ -3,10 +3,10 @@
 Per token the layer caches only the latent `c_kv || k_r` (kv_lora_rank + qk_rope_head_dim wide;
 576 for K3). Three attention forms share the projections:
 - `__call__`: a whole sequence, or a prefill chunk written into and read back from the cache;
-  keys and values are materialised from the latent with `kv_b_proj` (cheap per query when many
-  queries share the keys);
-- `step`: decode, absorbed: `kv_b_proj` is folded into the query (q_nope -> latent space) and
-  the output (latent -> v), so attention runs directly over the cached latents;
+  keys and values are materialised from the latent with `k_b_proj` / `v_b_proj` (cheap per
+  query when many queries share the keys);
+- `step`: decode, absorbed: `k_b_proj` is folded into the query (q_nope -> latent space) and
+  `v_b_proj` into the output (latent -> v), so attention runs directly over the cached latents;
 - `step_materialised`: decode by materialising K/V from the cache: the reference `step` is
   tested against.
 There is no positional encoding anywhere (`mla_use_nope`): the 64-wide `k_r` is a shared key
@@ -49,10 +49,14 @@ class MLAAttention(nnx.Module):
         self.kv_a_proj = init.fan_in((hidden, cfg.mla_latent_dim), ("lora_in", "kv_lora"),
                                       wdt)
         self.kv_a_layernorm = init.constant((cfg.kv_lora_rank,), ("kv_lora",), wdt)
-        # kv_b_proj [kv_lora, H, nope + v]: per head, the latent -> (k_nope, v) maps.
-        kv_b_shape = (cfg.kv_lora_rank, heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
-        self.kv_b_proj = init.fan_in(kv_b_shape, ("kv_lora", "heads", None), wdt,
-                                     fan_in=cfg.kv_lora_rank)
+        # The checkpoint's kv_b_proj, per head the latent -> k_nope and latent -> v maps, kept
+        # as two head-major kernels [H, kv_lora, nope] and [H, kv_lora, v]: the absorbed decode
+        # multiplies each head's query and output by them directly. Stored together, every
+        # step would slice (and XLA:CPU copy) both halves and transpose them to heads-first.
+        for name, width in (("k_b_proj", cfg.qk_nope_head_dim), ("v_b_proj", cfg.v_head_dim)):
+            setattr(self, name, init.fan_in((heads, cfg.kv_lora_rank, width),
+                                            ("heads", "kv_lora", None), wdt,
+                                            fan_in=cfg.kv_lora_rank))
         if cfg.mla_use_output_gate:
             self.g_proj = init.fan_in((hidden, heads * cfg.v_head_dim), ("embed", "heads"),
                                        wdt)
@@ -86,9 +90,9 @@ class MLAAttention(nnx.Module):
         cfg = self.cfg
         dtype = compute_dtype(cfg)
         c_kv, k_rope = latent[..., : cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank :]
-        kv = jnp.einsum("...c,chd->...hd", c_kv.astype(dtype), self.kv_b_proj[...].astype(dtype),
-                        precision=precision_of(cfg))
-        k_nope, v = kv[..., : cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim :]
+        k_nope, v = (jnp.einsum("...c,hcd->...hd", c_kv.astype(dtype), w[...].astype(dtype),
+                                precision=precision_of(cfg))
+                     for w in (self.k_b_proj, self.v_b_proj))
         k_rope = jnp.broadcast_to(k_rope[..., None, :].astype(dtype),
                                   (*k_nope.shape[:-1], cfg.qk_rope_head_dim))
         return jnp.concatenate([k_nope, k_rope], axis=-1), v
@@ -187,11 +191,9 @@ class MLAAttention(nnx.Module):
         return jnp.where(total > 0, acc / jnp.where(total > 0, total, 1.0), 0.0)
 
     def _absorbed_query(self, q_nope: jax.Array) -> jax.Array:
-        """q_nope [B, H, nope] -> latent-space query [B, H, kv_lora] through kv_b_proj's keys."""
-        cfg = self.cfg
-        w_uk = self.kv_b_proj[...][..., : cfg.qk_nope_head_dim]
-        return jnp.einsum("bhn,chn->bhc", q_nope, w_uk.astype(q_nope.dtype),
-                          precision=precision_of(cfg), preferred_element_type=FP32)
+        """q_nope [B, H, nope] -> latent-space query [B, H, kv_lora] through k_b_proj."""
+        return jnp.einsum("bhn,hcn->bhc", q_nope, self.k_b_proj[...].astype(q_nope.dtype),
+                          precision=precision_of(self.cfg), preferred_element_type=FP32)
 
     def _write(self, cache: jax.Array, x: jax.Array, positions: jax.Array) -> jax.Array:
         """Write each row's new latent at its own position (dropped if past the cache end)."""
@@ -217,8 +219,7 @@ class MLAAttention(nnx.Module):
         probs = jax.nn.softmax(jnp.where(valid[:, None], scores, -jnp.inf), axis=-1)
         o_latent = jnp.einsum("bhs,bsc->bhc", probs.astype(dtype), c_kv, precision=prec,
                               preferred_element_type=FP32)
-        w_uv = self.kv_b_proj[...][..., cfg.qk_nope_head_dim :]
-        o = jnp.einsum("bhc,chv->bhv", o_latent.astype(dtype), w_uv.astype(dtype),
+        o = jnp.einsum("bhc,hcv->bhv", o_latent.astype(dtype), self.v_b_proj[...].astype(dtype),
                        precision=prec, preferred_element_type=FP32)
         return self._output(x, o), cache
 

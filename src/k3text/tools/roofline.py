@@ -112,8 +112,8 @@ def weight_flops_per_token(cfg: Config, tensors: Sequence[Tensor]) -> int:
 def mla_decode_attention_flops(cfg: Config, context: int) -> dict[str, float]:
     """FLOPs one decoded token spends attending over `context` cached positions in the absorbed
     MLA form, per part: scores against the latent c_kv, scores against the shared k_r tail,
-    and the value sum over the latent. The absorption matmuls are weights (kv_b_proj) and
-    already in 2 x active."""
+    and the value sum over the latent. The absorption matmuls are weights (k_b_proj,
+    v_b_proj) and already in 2 x active."""
     per = 2 * cfg.structure.num_mla * cfg.num_attention_heads * context
     return {"scores_latent": per * cfg.kv_lora_rank,
             "scores_rope_tail": per * cfg.qk_rope_head_dim,
