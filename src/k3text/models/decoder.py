@@ -216,7 +216,7 @@ class Decoder(nnx.Module):
                 a, new = mixer(h, layer_state, valid)
                 return a, state._replace(
                     kda_recurrent=_set(state.kda_recurrent, kda_slot, new.recurrent),
-                    kda_conv=_set(state.kda_conv, kda_slot, new.conv.astype(state.kda_conv.dtype)))
+                    kda_conv=_set(state.kda_conv, kda_slot, new.conv))
             a, cache = mixer(h, state.mla_cache[mla_slot], start, valid)
             return a, state._replace(mla_cache=_set(state.mla_cache, mla_slot, cache))
 
@@ -243,12 +243,17 @@ class Decoder(nnx.Module):
                 a, new = mixer.step(h, layer_state)
                 return a, state._replace(
                     kda_recurrent=_set(state.kda_recurrent, kda_slot, new.recurrent),
-                    kda_conv=_set(state.kda_conv, kda_slot, new.conv.astype(state.kda_conv.dtype)))
+                    kda_conv=_set(state.kda_conv, kda_slot, new.conv))
             step = mixer.step if absorbed else mixer.step_materialised
             a, cache = step(h, state.mla_cache[mla_slot], positions)
             return a, state._replace(mla_cache=_set(state.mla_cache, mla_slot, cache))
 
+        unrolled = not self.cfg.scan_layers
+        if unrolled:
+            state = _per_layer(state)
         stream, state = self._layers(self._stream(tokens), state, run)
+        if unrolled:
+            state = _stacked(state)
         return self._logits(stream), state._replace(lengths=positions + 1)
 
 
@@ -302,5 +307,24 @@ def _nest(leaf: Any, shape: tuple[int, ...]) -> Any:
     return leaf if not shape else tuple(_nest(leaf, shape[1:]) for _ in range(shape[0]))
 
 
-def _set(stacked: jax.Array, slot: Any, value: jax.Array) -> jax.Array:
+_LAYER_STATES = ("kda_recurrent", "kda_conv", "mla_cache")
+
+
+def _per_layer(state: DecodeState) -> DecodeState:
+    """The layer-stacked state fields as lists of per-layer arrays, for unrolled layers (static
+    slots). Updating a stacked array layer by layer inside the decode loop made XLA copy the
+    whole stack before each layer's update; as lists, each layer's state is read once and the
+    stack written once (`_stacked`)."""
+    return state._replace(**{name: list(getattr(state, name)) for name in _LAYER_STATES
+                             if getattr(state, name).shape[0]})
+
+
+def _stacked(state: DecodeState) -> DecodeState:
+    return state._replace(**{name: jnp.stack(getattr(state, name)) for name in _LAYER_STATES
+                             if isinstance(getattr(state, name), list)})
+
+
+def _set(stacked: jax.Array | list[jax.Array], slot: Any, value: jax.Array) -> Any:
+    if isinstance(stacked, list):  # per-layer pieces (`_per_layer`), slot a Python int
+        return [value.astype(old.dtype) if i == slot else old for i, old in enumerate(stacked)]
     return jax.lax.dynamic_update_index_in_dim(stacked, value.astype(stacked.dtype), slot, 0)
