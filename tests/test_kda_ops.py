@@ -272,3 +272,18 @@ def test_conv_keeps_low_precision_dtype():
     assert y.dtype == s.dtype == jnp.bfloat16
     y_ref, _ = naive_conv(x.astype(np.float32), weight, state)
     assert_close(np.asarray(y, np.float32), y_ref, rtol=1e-2, atol=1e-2)
+
+
+def test_conv_over_fused_qkv_channels_is_channelwise():
+    """The KDA layer convolves q, k, v as one [.., 3, C] channel block: the same as each part
+    (or the flattened channels) alone, for the sequence and the step form."""
+    x, weight, state = conv_inputs(5, t=6, c=12)
+    fused = (x.reshape(2, 6, 3, 4), weight.reshape(4, 3, 4), state.reshape(2, 3, 3, 4))
+    y_ref, s_ref = naive_conv(x, weight, state)
+    y, s = conv(*fused)
+    assert_close(np.asarray(y).reshape(x.shape), y_ref)
+    assert_close(np.asarray(s).reshape(state.shape), s_ref, rtol=0, atol=0)
+    y_t, s_t = conv_step(fused[0][:, 0], fused[1], fused[2])
+    assert_close(np.asarray(y_t).reshape(2, 12), y_ref[:, 0])
+    assert_close(np.asarray(s_t).reshape(state.shape),
+                 np.concatenate([state[:, 1:], x[:, :1]], axis=1), rtol=0, atol=0)

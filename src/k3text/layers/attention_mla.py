@@ -208,17 +208,17 @@ class MLAAttention(nnx.Module):
         dtype = compute_dtype(cfg)
         cache = self._write(cache, x, positions)
         q_nope, q_rope = self._query(x)
-        q_latent = self._absorbed_query(q_nope).astype(dtype)
-        c_kv = cache[..., : cfg.kv_lora_rank].astype(dtype)
-        k_rope = cache[..., cfg.kv_lora_rank :].astype(dtype)
-        scores = (jnp.einsum("bhc,bsc->bhs", q_latent, c_kv, precision=prec,
-                             preferred_element_type=FP32)
-                  + jnp.einsum("bhr,bsr->bhs", q_rope.astype(dtype), k_rope, precision=prec,
-                               preferred_element_type=FP32)) * self.scale
+        # Each head's query against whole cached rows c_kv || k_r: q_latent . c_kv + q_rope . k_r
+        # in one matmul, and the value sum over whole rows with the k_r columns dropped after;
+        # slicing c_kv out of the cache would copy it every step.
+        query = jnp.concatenate([self._absorbed_query(q_nope), q_rope.astype(FP32)], axis=-1)
+        latents = cache.astype(dtype)
+        scores = jnp.einsum("bhc,bsc->bhs", query.astype(dtype), latents, precision=prec,
+                            preferred_element_type=FP32) * self.scale
         valid = jnp.arange(cache.shape[1])[None, :] <= positions[:, None]
         probs = jax.nn.softmax(jnp.where(valid[:, None], scores, -jnp.inf), axis=-1)
-        o_latent = jnp.einsum("bhs,bsc->bhc", probs.astype(dtype), c_kv, precision=prec,
-                              preferred_element_type=FP32)
+        o_latent = jnp.einsum("bhs,bsc->bhc", probs.astype(dtype), latents, precision=prec,
+                              preferred_element_type=FP32)[..., : cfg.kv_lora_rank]
         o = jnp.einsum("bhc,hcv->bhv", o_latent.astype(dtype), self.v_b_proj[...].astype(dtype),
                        precision=prec, preferred_element_type=FP32)
         return self._output(x, o), cache

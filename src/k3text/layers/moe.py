@@ -214,6 +214,8 @@ def experts_gathered(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: j
                 y = ffn(gate_up[0], down[0], row)
             return out.at[token].add(weight * y)
 
+        if held == cfg.num_experts:  # every expert is here: nothing to skip
+            return apply(out), None
         return jax.lax.cond(here, apply, lambda out: out, out), None
 
     out, _ = jax.lax.scan(one_slot, jnp.zeros(x.shape, FP32), jnp.arange(local_ids.size))

@@ -71,10 +71,13 @@ def kda_step(
     """
     q, k, v, g, beta, state = (a.astype(_f32) for a in (q, k, v, g, beta, state))
     state = state * jnp.exp(g)[..., None]
-    predicted = jnp.einsum("bhk,bhkv->bhv", k, state, precision=precision)
-    delta = beta[..., None] * (v - predicted)
-    state = state + jnp.einsum("bhk,bhv->bhkv", k, delta, precision=precision)
-    o = jnp.einsum("bhk,bhkv->bhv", q, state, precision=precision)
+    # k and q read the decayed state in one matmul: since the update adds k (x) delta,
+    # q S_new = q S + (q . k) delta, so the output needs no second pass over the new state.
+    kq_state = jnp.einsum("bhik,bhkv->bhiv", jnp.stack([k, q], axis=2), state,
+                          precision=precision)
+    delta = beta[..., None] * (v - kq_state[:, :, 0])
+    state = state + k[..., :, None] * delta[..., None, :]
+    o = kq_state[:, :, 1] + jnp.sum(q * k, axis=-1, keepdims=True) * delta
     return o, state
 
 
