@@ -320,6 +320,7 @@ def _per_layer(state: DecodeState) -> DecodeState:
 
 
 def _stacked(state: DecodeState) -> DecodeState:
+    """The inverse of `_per_layer`: each per-layer list stacked back into one array."""
     return state._replace(**{name: jnp.stack(getattr(state, name)) for name in _LAYER_STATES
                              if isinstance(getattr(state, name), list)})
 

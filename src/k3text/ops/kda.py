@@ -58,7 +58,7 @@ def kda_step(
     state: jax.Array,
     precision: jax.lax.PrecisionLike = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """One KDA token for decode.
+    """One KDA token for decode: the fast form of `_delta_rule_token`, which it is tested against.
 
     Args:
       q, k, g: ``[B, H, K]``; ``g`` is the log-space decay (``<= 0``).
@@ -81,6 +81,19 @@ def kda_step(
     return o, state
 
 
+def _delta_rule_token(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                      state: jax.Array, precision: jax.lax.PrecisionLike = None,
+                      ) -> tuple[jax.Array, jax.Array]:
+    """One token of the delta rule written as the module docstring states it (shapes as
+    `kda_step`): decay, predict, correct, read out the new state."""
+    q, k, v, g, beta, state = (a.astype(_f32) for a in (q, k, v, g, beta, state))
+    state = state * jnp.exp(g)[..., None]
+    predicted = jnp.einsum("bhk,bhkv->bhv", k, state, precision=precision)
+    delta = beta[..., None] * (v - predicted)
+    state = state + jnp.einsum("bhk,bhv->bhkv", k, delta, precision=precision)
+    return jnp.einsum("bhk,bhkv->bhv", q, state, precision=precision), state
+
+
 def _zero_state(k: jax.Array, v: jax.Array) -> jax.Array:
     (b, _, h, dk), dv = k.shape, v.shape[-1]
     return jnp.zeros((b, h, dk, dv), _f32)
@@ -95,7 +108,8 @@ def kda_recurrent(
     initial_state: jax.Array | None = None,
     precision: jax.lax.PrecisionLike = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Token-by-token KDA (a ``lax.scan`` of :func:`kda_step` over time); the reference form.
+    """Token-by-token KDA (a ``lax.scan`` of the plain delta-rule token update over time); the
+    reference form the decode step and the chunked form are tested against.
 
     Args:
       q, k, g: ``[B, T, H, K]``.
@@ -109,7 +123,7 @@ def kda_recurrent(
     state = _zero_state(k, v) if initial_state is None else initial_state.astype(_f32)
 
     def step(state, xs):
-        o, state = kda_step(*xs, state, precision=precision)
+        o, state = _delta_rule_token(*xs, state, precision=precision)
         return state, o
 
     time_major = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
