@@ -14,6 +14,7 @@ from k3text.layers import mxfp4
 from k3text.layers.activations import situ_glu
 from k3text.layers.attention_kda import decay_gate
 from k3text.layers.initializers import Init
+from k3text.layers.linears import matmul_out_in
 from k3text.layers.moe import MoE
 from k3text.models.decoder import Decoder
 
@@ -23,6 +24,21 @@ from helpers import tiny_config
 def np_rms(x, eps):
     x = np.asarray(x, np.float64)
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+# ---- [out, in] projections ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lead", [(), (1,), (1, 1), (3,), (2, 5)])
+def test_matmul_out_in_matches_numpy(lead):
+    """One token takes the vector @ matrix.T form, several the einsum; both are x @ kernel.T."""
+    cfg = tiny_config("k3-tiny")
+    rng = np.random.default_rng(0)
+    x, kernel = rng.normal(size=(*lead, 64)), rng.normal(size=(48, 64))
+    got = jax.jit(lambda x, k: matmul_out_in(cfg, x, k))(jnp.asarray(x, jnp.float32),
+                                                        jnp.asarray(kernel, jnp.float32))
+    assert got.shape == (*lead, 48)
+    np.testing.assert_allclose(got, x @ kernel.T, rtol=1e-5, atol=1e-4)
 
 
 # ---- SiTU and gates -------------------------------------------------------------------------
@@ -97,10 +113,10 @@ def reference_moe(cfg, moe, x):
             y += w * (down[e] @ act)
         y = np_rms(y, cfg.rms_norm_eps) * np.asarray(moe.routed_expert_norm[...])
         y = y @ np.asarray(moe.routed_expert_up_proj[...], np.float64)
-        wi = np.asarray(moe.shared_experts.wi[...], np.float64)
-        g, u = token @ wi[:, 0], token @ wi[:, 1]
+        wi = np.asarray(moe.shared_experts.wi[...], np.float64)  # [2, width, hidden]
+        g, u = wi[0] @ token, wi[1] @ token
         shared = beta * np.tanh(g / beta) / (1 + np.exp(-g)) * lin * np.tanh(u / lin)
-        out.append(y + shared @ np.asarray(moe.shared_experts.wo[...], np.float64))
+        out.append(y + np.asarray(moe.shared_experts.wo[...], np.float64) @ shared)
     return np.stack(out)
 
 

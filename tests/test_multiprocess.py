@@ -105,5 +105,7 @@ def test_two_processes_decode_like_one(checkpoint, order):
     path, expected = checkpoint
     got = run_two_processes(path, order)
     assert got["ids"] == expected.output_ids
+    # Same tokens; log-probabilities to float32 accuracy through six steps of a model whose
+    # reductions (cross-process psums, the workers' unoptimised build) run in another order.
     np.testing.assert_allclose(np.array(got["logprobs"]), np.array(expected.output_logprobs),
-                               atol=1e-4)
+                               atol=1e-3)

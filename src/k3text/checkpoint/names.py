@@ -12,7 +12,8 @@ Layouts:
 
 Each rule maps a name to a `Slot`: which k3text parameter (a path inside one decoder layer, or a
 global one), where inside it the tensor goes (expert index, gate/up half, fused-conv part) and
-how the HF array is reshaped into the k3text layout (k3text kernels are [in, out]).
+how the HF array is reshaped into the k3text layout (k3text kernels are [in, out], except the
+MLP and expert matrices, which keep the checkpoint's [out, in]).
 
 The reverse direction (`layer_tensor_names`, `global_tensor_names`, `from_k3text`) names the HF
 tensors of a k3text parameter and shapes a parameter block back into its HF tensor; it writes
@@ -145,8 +146,8 @@ def _copy(*path: str, kind: str = "copy") -> Builder:
 
 
 def _pair(path: tuple[str, ...], part: int) -> Builder:
-    """Gate (0) or up (1) half of a fused [hidden, 2, width] MLP kernel."""
-    return lambda cfg, m, layer: Slot(path, None, (slice(None), part, slice(None)), _LINEAR)
+    """Gate (0) or up (1) half of a fused [2, width, hidden] MLP kernel (stored [out, in])."""
+    return lambda cfg, m, layer: Slot(path, None, (part,))
 
 
 def _expert(name: str, part: int | None) -> Builder:
@@ -223,7 +224,7 @@ def _mlp_rules(prefix: str) -> list:
     return [
         (rf"{prefix}\.gate_proj\.weight", _pair(("mlp", "wi"), 0)),
         (rf"{prefix}\.up_proj\.weight", _pair(("mlp", "wi"), 1)),
-        (rf"{prefix}\.down_proj\.weight", _linear("mlp", "wo")),
+        (rf"{prefix}\.down_proj\.weight", _copy("mlp", "wo")),
     ]
 
 
@@ -236,7 +237,7 @@ def _moe_rules(prefix: str) -> list:
         (rf"{prefix}\.shared_experts\.up_proj\.weight",
          _pair(("mlp", "shared_experts", "wi"), 1)),
         (rf"{prefix}\.shared_experts\.down_proj\.weight",
-         _linear("mlp", "shared_experts", "wo")),
+         _copy("mlp", "shared_experts", "wo")),
     ]
 
 
