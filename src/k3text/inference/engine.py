@@ -27,7 +27,7 @@ from k3text import sharding
 from k3text.config import Config, ConfigError
 from k3text.inference import sampling
 from k3text.inference.state import STATE_AXES, DecodeState, cache_length, state_shapes
-from k3text.models.decoder import Decoder, split_for_unrolled
+from k3text.models.decoder import Decoder, per_layer_state, split_for_unrolled, stacked_state
 
 
 @dataclasses.dataclass
@@ -120,9 +120,11 @@ class Engine:
             done = done | (tokens == eos)
             return step + 1, tokens, out, logprobs, produced, done, state
 
-        carry = (jnp.int32(1), first, out, logprobs, produced, done, state)
+        unrolled = not cfg.scan_layers  # carry each layer's state as its own array
+        carry = (jnp.int32(1), first, out, logprobs, produced, done,
+                 per_layer_state(state) if unrolled else state)
         step, _, out, logprobs, produced, done, state = jax.lax.while_loop(cond, body, carry)
-        return out, logprobs, produced, step, state
+        return out, logprobs, produced, step, stacked_state(state) if unrolled else state
 
     # ---- public API -----------------------------------------------------------------------
 

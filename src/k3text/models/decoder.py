@@ -248,12 +248,12 @@ class Decoder(nnx.Module):
             a, cache = step(h, state.mla_cache[mla_slot], positions)
             return a, state._replace(mla_cache=_set(state.mla_cache, mla_slot, cache))
 
-        unrolled = not self.cfg.scan_layers
-        if unrolled:
-            state = _per_layer(state)
+        restack = not self.cfg.scan_layers and not is_per_layer(state)
+        if not self.cfg.scan_layers:
+            state = per_layer_state(state)
         stream, state = self._layers(self._stream(tokens), state, run)
-        if unrolled:
-            state = _stacked(state)
+        if restack:
+            state = stacked_state(state)
         return self._logits(stream), state._replace(lengths=positions + 1)
 
 
@@ -310,22 +310,28 @@ def _nest(leaf: Any, shape: tuple[int, ...]) -> Any:
 _LAYER_STATES = ("kda_recurrent", "kda_conv", "mla_cache")
 
 
-def _per_layer(state: DecodeState) -> DecodeState:
+def per_layer_state(state: DecodeState) -> DecodeState:
     """The layer-stacked state fields as lists of per-layer arrays, for unrolled layers (static
-    slots). Updating a stacked array layer by layer inside the decode loop made XLA copy the
-    whole stack before each layer's update; as lists, each layer's state is read once and the
-    stack written once (`_stacked`)."""
+    slots); fields already split stay as they are. Updating a stacked array layer by layer made
+    XLA copy the whole stack before each layer's update; as lists, each layer's state is read
+    and written once. A decode loop over unrolled layers carries the lists from step to step
+    (`Engine.generate`), so the stack is not rebuilt and copied every step either."""
     return state._replace(**{name: list(getattr(state, name)) for name in _LAYER_STATES
-                             if getattr(state, name).shape[0]})
+                             if not isinstance(getattr(state, name), list)
+                             and getattr(state, name).shape[0]})
 
 
-def _stacked(state: DecodeState) -> DecodeState:
-    """The inverse of `_per_layer`: each per-layer list stacked back into one array."""
+def stacked_state(state: DecodeState) -> DecodeState:
+    """The inverse of `per_layer_state`: each per-layer list stacked back into one array."""
     return state._replace(**{name: jnp.stack(getattr(state, name)) for name in _LAYER_STATES
                              if isinstance(getattr(state, name), list)})
 
 
+def is_per_layer(state: DecodeState) -> bool:
+    return any(isinstance(getattr(state, name), list) for name in _LAYER_STATES)
+
+
 def _set(stacked: jax.Array | list[jax.Array], slot: Any, value: jax.Array) -> Any:
-    if isinstance(stacked, list):  # per-layer pieces (`_per_layer`), slot a Python int
+    if isinstance(stacked, list):  # per-layer pieces (`per_layer_state`), a Python int slot
         return [value.astype(old.dtype) if i == slot else old for i, old in enumerate(stacked)]
     return jax.lax.dynamic_update_index_in_dim(stacked, value.astype(stacked.dtype), slot, 0)
