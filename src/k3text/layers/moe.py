@@ -29,7 +29,7 @@ from flax import nnx
 
 from k3text import sharding
 from k3text.config import Config
-from k3text.layers import mxfp4
+from k3text.layers import linears, mxfp4
 from k3text.layers.activations import glu
 from k3text.layers.initializers import FP32, Init, compute_dtype, precision, weight_dtype
 from k3text.layers.linears import matmul
@@ -192,15 +192,12 @@ def experts_gathered(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: j
     dtype, prec = compute_dtype(cfg), precision(cfg)
     k = local_ids.shape[-1]
 
-    # Expert matrices are [out, in]. XLA:CPU emits vector @ matrix.T, with the transpose as the
-    # matrix's producer, as one fused loop over contiguous rows split across the cores: 1.5-1.8x
-    # the rate of the library matrix @ vector product for a 0.5-1 MB float32 expert. A packed
-    # MXFP4 matrix would be re-decoded inside that loop, which loses to decoding it once.
-    fused = cfg.expert_weight_format != "mxfp4"
-
+    # Expert matrices are [out, in], the layout `linears.matvec` wants. A packed MXFP4 matrix
+    # would be re-decoded inside that fused loop, which loses to decoding it once.
     def matvec(w: jax.Array, v: jax.Array) -> jax.Array:
-        return jnp.dot(v, w.T, precision=prec, preferred_element_type=FP32) if fused else \
-            jnp.dot(w, v, precision=prec, preferred_element_type=FP32)
+        if cfg.expert_weight_format == "mxfp4":
+            return jnp.dot(w, v, precision=prec, preferred_element_type=FP32)
+        return linears.matvec(v, w, prec, preferred_element_type=FP32)
 
     def ffn(gate_up: jax.Array, down: jax.Array, row: jax.Array) -> jax.Array:
         return matvec(down, _expert_glu(cfg, matvec(gate_up, row)).astype(dtype))
