@@ -30,14 +30,17 @@ def np_rms(x, eps):
 
 
 @pytest.mark.parametrize("lead", [(), (1,), (1, 1), (3,), (2, 5)])
-def test_matmul_out_in_matches_numpy(lead):
-    """One token takes the vector @ matrix.T form, several the einsum; both are x @ kernel.T."""
+@pytest.mark.parametrize("out_in", [(48, 64), (256, 128)])
+def test_matmul_out_in_matches_numpy(lead, out_in):
+    """x @ kernel.T against numpy: several tokens take the einsum; one token takes `matvec`,
+    whose fused vector @ matrix.T form starts at 16K kernel elements (256 x 128) and whose
+    library form serves smaller kernels (48 x 64)."""
     cfg = tiny_config("k3-tiny")
     rng = np.random.default_rng(0)
-    x, kernel = rng.normal(size=(*lead, 64)), rng.normal(size=(48, 64))
+    x, kernel = rng.normal(size=(*lead, out_in[1])), rng.normal(size=out_in)
     got = jax.jit(lambda x, k: matmul_out_in(cfg, x, k))(jnp.asarray(x, jnp.float32),
                                                         jnp.asarray(kernel, jnp.float32))
-    assert got.shape == (*lead, 48)
+    assert got.shape == (*lead, out_in[0])
     np.testing.assert_allclose(got, x @ kernel.T, rtol=1e-5, atol=1e-4)
 
 

@@ -41,7 +41,7 @@ def matvec(v: jax.Array, kernel: jax.Array, precision: Any,
 
     Written as a rank-1 vector times the transposed matrix, XLA:CPU fuses the product into one
     loop over contiguous kernel rows that it splits across the cores; the library product it
-    calls for kernel @ v runs a matrix under about 3 MB on one core, 1.2-1.8x slower for
+    calls for kernel @ v runs a matrix under about 3 MB on one core, 1.05-1.8x slower for
     0.06-2 MB float32 matrices here. Tiny kernels keep the library product.
     """
     if kernel.size >= _FUSED_MATVEC_MIN_ELEMENTS:

@@ -194,13 +194,13 @@ def experts_gathered(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: j
 
     # Expert matrices are [out, in], the layout `linears.matvec` wants. A packed MXFP4 matrix
     # would be re-decoded inside that fused loop, which loses to decoding it once.
-    def matvec(w: jax.Array, v: jax.Array) -> jax.Array:
+    def expert_matvec(w: jax.Array, v: jax.Array) -> jax.Array:
         if cfg.expert_weight_format == "mxfp4":
             return jnp.dot(w, v, precision=prec, preferred_element_type=FP32)
         return linears.matvec(v, w, prec, preferred_element_type=FP32)
 
     def ffn(gate_up: jax.Array, down: jax.Array, row: jax.Array) -> jax.Array:
-        return matvec(down, _expert_glu(cfg, matvec(gate_up, row)).astype(dtype))
+        return expert_matvec(down, _expert_glu(cfg, expert_matvec(gate_up, row)).astype(dtype))
 
     def expert_branch(e: int):
         return lambda row: ffn(*_dequantized(cfg, lambda name: experts.arrays[name][e]), row)

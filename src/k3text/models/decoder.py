@@ -248,11 +248,12 @@ class Decoder(nnx.Module):
             a, cache = step(h, state.mla_cache[mla_slot], positions)
             return a, state._replace(mla_cache=_set(state.mla_cache, mla_slot, cache))
 
-        restack = not self.cfg.scan_layers and not is_per_layer(state)
-        if not self.cfg.scan_layers:
+        # Unrolled layers work on per-layer state; it goes back in the form it came in.
+        unrolled, came_stacked = not self.cfg.scan_layers, not is_per_layer(state)
+        if unrolled:
             state = per_layer_state(state)
         stream, state = self._layers(self._stream(tokens), state, run)
-        if restack:
+        if unrolled and came_stacked:
             state = stacked_state(state)
         return self._logits(stream), state._replace(lengths=positions + 1)
 
@@ -328,6 +329,7 @@ def stacked_state(state: DecodeState) -> DecodeState:
 
 
 def is_per_layer(state: DecodeState) -> bool:
+    """Whether `per_layer_state` split this state's fields."""
     return any(isinstance(getattr(state, name), list) for name in _LAYER_STATES)
 
 
