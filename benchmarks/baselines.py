@@ -20,8 +20,10 @@ Sections (all by default):
   read: hit experts only, one embedding row per token, times steps per second) next to the
   rate a large float32 matrix-vector product reaches on this machine.
 - kda: KDA prefill forms on the same inputs: `kda_chunked` (jit) vs `kda_recurrent` (jit, the
-  per-token scan) vs fla-core's `naive_chunk_kda` (torch), T up to 4096 (B=1, H=4, K=V=128).
-  Compile excluded; medians; the max |difference| from the recurrence is printed as a check.
+  per-token scan) vs fla-core's `naive_chunk_kda` (torch) vs tokamax's `kimi_delta_attention`
+  `xla` (its token-by-token recurrence) and `xla_chunked` (jit; K3's gate fused in, the only
+  gate `xla_chunked` takes), T up to 4096 (B=1, H=4, K=V=128). Compile excluded; medians; the
+  max |difference| from the recurrence is printed as a check.
 - loop: the tiny K3 (configs/models/k3-tiny.yml) at batch 1: the whole decode loop jitted
   (`Engine.generate`) vs a Python loop over the jitted `Engine.step`, once reading each step's
   tokens back to the host (as a server checking EOS must) and once dispatching asynchronously.
@@ -70,6 +72,7 @@ from k3text.inference import sampling
 from k3text.inference.engine import Engine, place_model
 from k3text.layers import moe
 from k3text.ops import kda
+from k3text.ops.kda_tokamax import tokamax_kda
 from k3text.tools.tables import table
 
 import hf_reference
@@ -274,8 +277,13 @@ def load_fla_naive() -> Any:
     return module
 
 
-def kda_inputs(t: int, seed: int = 0) -> list[np.ndarray]:
-    """q, k (L2-normalised, as the layer feeds them), v, g in (-1, 0), beta in (0, 1)."""
+KDA_LOWER_BOUND = -5.0  # K3's gate; tokamax's xla_chunked implements only this gate form
+
+
+def kda_inputs(t: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """q, k (L2-normalised, as the layer feeds them), v, beta in (0, 1), and K3's lower-bounded
+    decay gate twice: raw (f, a_log, dt_bias, for tokamax's fused gate) and activated
+    (g = lb * sigmoid(exp(a_log) * (f + dt_bias)), mostly in (-2, 0), for the other forms)."""
     b, h, d = KDA_SHAPE["batch"], KDA_SHAPE["heads"], KDA_SHAPE["head_dim"]
     rng = np.random.default_rng(seed)
 
@@ -284,46 +292,72 @@ def kda_inputs(t: int, seed: int = 0) -> list[np.ndarray]:
 
     q, k = (unit(rng.standard_normal((b, t, h, d))) for _ in range(2))
     v = rng.standard_normal((b, t, h, d))
-    g = -rng.uniform(0.0, 1.0, (b, t, h, d))
+    f = rng.standard_normal((b, t, h, d))
+    a_log, dt_bias = np.zeros(h), np.full(h * d, -2.0)
+    x = f + dt_bias.reshape(h, d)
+    g = KDA_LOWER_BOUND / (1.0 + np.exp(-np.exp(a_log)[:, None] * x))
     beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h))))
-    return [a.astype(np.float32) for a in (q, k, v, g, beta)]
+    arrays = dict(q=q, k=k, v=v, g=g, beta=beta, f=f, a_log=a_log, dt_bias=dt_bias)
+    return {name: a.astype(np.float32) for name, a in arrays.items()}
+
+
+KDA_FORMS = {  # name -> the arrays it takes, in order
+    "chunked": ("q", "k", "v", "g", "beta"),
+    "recurrent": ("q", "k", "v", "g", "beta"),
+    "fla_naive_chunk": ("q", "k", "v", "g", "beta"),
+    "tokamax_xla": ("q", "k", "v", "f", "beta", "a_log", "dt_bias"),
+    "tokamax_xla_chunked": ("q", "k", "v", "f", "beta", "a_log", "dt_bias"),
+}
+
+
+def tokamax_form(implementation: str) -> Callable[..., jax.Array]:
+    """tokamax's KDA on the raw gate (activated in the kernel), k3text layouts in and out."""
+    def run(q, k, v, f, beta, a_log, dt_bias):
+        return tokamax_kda(q, k, v, f, beta, implementation=implementation, a_log=a_log,
+                           dt_bias=dt_bias, lower_bound=KDA_LOWER_BOUND)[0]
+    return jax.jit(run)
 
 
 def kda_section(quick: bool) -> list[Row]:
     lengths, repeats = ((256, 1024), 3) if quick else ((256, 1024, 4096), 5)
     naive = load_fla_naive()
-    chunked = jax.jit(lambda *a: kda.kda_chunked(*a, chunk_size=64)[0])
-    recurrent = jax.jit(lambda *a: kda.kda_recurrent(*a)[0])
+    jitted = {
+        "chunked": jax.jit(lambda *a: kda.kda_chunked(*a, chunk_size=64)[0]),
+        "recurrent": jax.jit(lambda *a: kda.kda_recurrent(*a)[0]),
+        "tokamax_xla": tokamax_form("xla"),
+        "tokamax_xla_chunked": tokamax_form("xla_chunked"),
+    }
     rows = []
     for t in lengths:
         inputs = kda_inputs(t)
-        device = [jax.device_put(a) for a in inputs]
-        tensors = [torch.from_numpy(a) for a in inputs]
-        forms = {
-            "chunked": lambda d=device: chunked(*d).block_until_ready(),
-            "recurrent": lambda d=device: recurrent(*d).block_until_ready(),
-            "fla_naive_chunk": lambda x=tensors: naive.naive_chunk_kda(
-                *x, scale=1.0, chunk_size=64)[0],
-        }
+        forms = {}
+        for name, fn in jitted.items():
+            device = [jax.device_put(inputs[a]) for a in KDA_FORMS[name]]
+            forms[name] = lambda fn=fn, d=device: fn(*d).block_until_ready()
+        tensors = [torch.from_numpy(inputs[a]) for a in KDA_FORMS["fla_naive_chunk"]]
+        forms["fla_naive_chunk"] = lambda x=tensors: naive.naive_chunk_kda(
+            *x, scale=1.0, chunk_size=64)[0]
         results = interleaved({name: lambda fn=fn: timed(fn) for name, fn in forms.items()},
                               repeats)
         reference = np.asarray(results["recurrent"][0][1])
-        for name, runs in results.items():
+        for name in KDA_FORMS:
+            runs = results[name]
             seconds = benchlib.median(s for s, _ in runs)
             rows.append({"section": "kda", "form": name, "T": t, **KDA_SHAPE, "ms": seconds * 1e3,
                          "tokens_per_s": KDA_SHAPE["batch"] * t / seconds,
                          "max_abs_diff_vs_recurrent": float(np.max(np.abs(
                              np.asarray(runs[0][1]) - reference)))})
     by = {(r["form"], r["T"]): r["ms"] for r in rows}
-    print(table(["T", "chunked ms", "recurrent ms", "fla naive ms", "recurrent / chunked",
-                 "fla naive / chunked", "max |diff|"],
-                [[str(t), f"{by['chunked', t]:.2f}", f"{by['recurrent', t]:.2f}",
-                  f"{by['fla_naive_chunk', t]:.2f}", ratio(by["recurrent", t], by["chunked", t]),
-                  ratio(by["fla_naive_chunk", t], by["chunked", t]),
+    others = [f for f in KDA_FORMS if f != "chunked"]
+    print(table(["T", *(f"{f} ms" for f in KDA_FORMS), *(f"{f} / chunked" for f in others),
+                 "max |diff|"],
+                [[str(t), *(f"{by[f, t]:.2f}" for f in KDA_FORMS),
+                  *(ratio(by[f, t], by["chunked", t]) for f in others),
                   f"{max(r['max_abs_diff_vs_recurrent'] for r in rows if r['T'] == t):.1e}"]
                  for t in lengths],
                 title=f"(b) KDA prefill, B={KDA_SHAPE['batch']} H={KDA_SHAPE['heads']} "
-                      f"K=V={KDA_SHAPE['head_dim']}, fp32; jit compile excluded"))
+                      f"K=V={KDA_SHAPE['head_dim']}, fp32, K3's gate (lower bound "
+                      f"{KDA_LOWER_BOUND}); jit compile excluded"))
     return rows
 
 

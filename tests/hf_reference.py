@@ -1,7 +1,15 @@
-"""Tiny transformers Kimi Linear models (fan-in scaled random weights) and their k3text twins."""
+"""Tiny transformers Kimi Linear models (fan-in scaled random weights) and their k3text twins.
+
+transformers binds `kimi_linear`'s KDA and short-conv functions when its modeling module is
+imported: to fla-core's Triton kernels whenever `import fla` succeeds, which it does as soon as
+`triton` is importable (the Python 3.12 torch wheel brings it), and those kernels need a GPU.
+The reference here is transformers' own PyTorch code, so `torch_reference_kimi_linear` rebinds
+those functions to the plain PyTorch functions they decorate, whatever is installed.
+"""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -9,6 +17,20 @@ import torch
 
 from k3text.checkpoint import hf, hf_config
 from k3text.config import Config, config_from_dict
+
+_KERNEL_BOUND = ("recurrent_kimi_delta_attention", "chunk_kimi_delta_attention",
+                 "causal_conv1d_fn", "causal_conv1d_update")
+
+
+def torch_reference_kimi_linear():
+    """transformers' `kimi_linear` modeling module with its KDA and conv functions bound to their
+    PyTorch bodies (the undecorated functions), never to an external kernel package."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as module
+
+    for name in _KERNEL_BOUND:
+        setattr(module, name, inspect.unwrap(getattr(module, name)))
+        assert getattr(module, name).__module__ == module.__name__, name
+    return module
 
 
 def tiny_hf_config(**overrides):
@@ -53,10 +75,9 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
 
 
 def tiny_hf_model(seed: int = 0, **overrides):
-    from transformers import KimiLinearForCausalLM
-
     torch.manual_seed(seed)
-    model = KimiLinearForCausalLM(tiny_hf_config(**overrides)).float().eval()
+    model_class = torch_reference_kimi_linear().KimiLinearForCausalLM
+    model = model_class(tiny_hf_config(**overrides)).float().eval()
     randomize_(model, seed)
     return model
 

@@ -16,7 +16,6 @@ the jitted MoE forward on the selected experts.
 
 import math
 from collections.abc import Sequence
-from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +35,6 @@ _E8M0_NAN = 255
 _F32_INF_BITS = 0x7F80_0000
 _F32_NAN_BITS = 0x7FC0_0000
 
-_Array = TypeVar("_Array", np.ndarray, jax.Array)
 
 
 def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,7 +107,7 @@ def pack_fp4(codes: np.ndarray) -> np.ndarray:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def unpack_fp4(packed: _Array) -> _Array:
+def unpack_fp4[ArrayT: (np.ndarray, jax.Array)](packed: ArrayT) -> ArrayT:
     """Split uint8 ``[..., n]`` into FP4 codes ``[..., 2n]``, low nibble first.
 
     Works on numpy arrays and on jax arrays, traced ones included; the result is of the same kind.

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import TypeVar
 
 import numpy as np
 from flax import nnx
@@ -52,8 +51,6 @@ _LAYER_NORMS = {"input_layernorm", "post_attention_layernorm", "self_attention_r
 _TOP_LEVEL = {"embed": "embedding", "lm_head": "lm_head", "norm": "norms",
               "output_attn_res_proj": "norms", "output_attn_res_norm": "norms"}
 
-T = TypeVar("T")
-V = TypeVar("V", int, float)
 
 FP4_PER_BYTE = 2  # an MXFP4 packed byte holds two E2M1 codes
 MOE_PER_LAYER = ("router", "latent_proj", "shared_experts", "routed_experts")
@@ -160,7 +157,7 @@ def layer_counts(cfg: Config) -> dict[str, int]:
     return counts
 
 
-def sum_by(items: Iterable[T], key: Callable[[T], str], value: Callable[[T], V],
+def sum_by[T, V: (int, float)](items: Iterable[T], key: Callable[[T], str], value: Callable[[T], V],
            ) -> dict[str, V]:
     """{key(item): sum of value(item)} over `items`, keys in first-seen order."""
     out: dict[str, V] = {}
@@ -170,6 +167,6 @@ def sum_by(items: Iterable[T], key: Callable[[T], str], value: Callable[[T], V],
     return out
 
 
-def ordered(totals: Mapping[str, V]) -> list[tuple[str, V]]:
+def ordered[V: (int, float)](totals: Mapping[str, V]) -> list[tuple[str, V]]:
     """(component, total) in COMPONENTS order, components the model lacks left out."""
     return [(c, totals[c]) for c in COMPONENTS if c in totals]
