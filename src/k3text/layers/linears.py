@@ -1,7 +1,7 @@
 """Dense projections. Kernels are stored [in, out] with their logical axes by the layer that owns
 them and go through `matmul`. The MLP kernels, like the routed experts, are stored [out, in] (the
-checkpoint's layout) and go through `matmul_out_in`: at batch 1 that is the matrix-vector form
-XLA:CPU runs on all cores (`matvec`)."""
+checkpoint's layout) and go through `matmul_out_in`: at batch 1 that is the fused
+matrix-vector form XLA:CPU runs fastest (`matvec`)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def matvec(v: jax.Array, kernel: jax.Array, precision: Any,
     """v [in] @ kernel.T -> [out] for a kernel stored [out, in] (one token at batch-1 decode).
 
     Written as a rank-1 vector times the transposed matrix, XLA:CPU fuses the product into one
-    loop over contiguous kernel rows that it splits across the cores; the library product it
-    calls for kernel @ v runs a matrix under about 3 MB on one core, 1.05-1.8x slower for
-    0.06-2 MB float32 matrices here. Tiny kernels keep the library product.
+    loop over contiguous kernel rows, which beats the library product it calls for kernel @ v
+    on 1-4 MiB float32 kernels (1.5-1.8x with jaxlib 0.12, which runs the loop on one core;
+    jaxlib 0.10 also split it across the cores). Tiny kernels keep the library product.
     """
     if kernel.size >= _FUSED_MATVEC_MIN_ELEMENTS:
         return jnp.dot(v, kernel.T, precision=precision,
