@@ -41,3 +41,7 @@ def test_v7x16_full_size_compile_check():
         line = next(x for x in result.stdout.splitlines() if x.startswith(name))
         argument, temp = (float(v) for v in re.findall(r"(?:argument|temp)\s+([\d.]+)", line))
         assert argument > weights and temp > 0
+    # Each program's communication report follows its memory line.
+    reports = re.findall(r"collectives per call: ([\d,]+) \(.*?\), ([\d,.]+) MB per device",
+                         result.stdout)
+    assert len(reports) == 2 and all(int(n.replace(",", "")) > 0 for n, _ in reports)

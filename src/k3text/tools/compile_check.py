@@ -1,6 +1,8 @@
 """Full-size validation without memory: build the model and decode state as abstract shapes on a
 fake CPU mesh of the config's size, lower and compile one decode step and one prefill chunk, and
-print per-device bytes from the compiler (`compiled.memory_analysis()`).
+print per-device bytes from the compiler (`compiled.memory_analysis()`) and each program's
+collectives read from its compiled HLO (`k3text.tools.collectives`): how many run per call,
+bytes per device, the ten largest, and a `!!` line for any that moves a parameter.
 
     python -m k3text.tools.compile_check configs/inference/v7x16.yml [key=value ...] [--tpu]
 
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from k3text.config import Config, ConfigError, load_config, request_host_devices
+from k3text.tools import collectives
 
 GIB = 1024**3
 
@@ -111,16 +114,23 @@ def check(cfg: Config, tpu: bool = False, out=sys.stdout) -> dict[str, dict[str,
             compiled = lowered.compile()
             seconds = time.perf_counter() - start
             ma = compiled.memory_analysis()
+            report = collectives.read(compiled.as_text())
             figures = {"argument": ma.argument_size_in_bytes / GIB,
                        "output": ma.output_size_in_bytes / GIB,
                        "alias": ma.alias_size_in_bytes / GIB,
                        "temp": ma.temp_size_in_bytes / GIB,
-                       "compile_seconds": seconds}
+                       "compile_seconds": seconds,
+                       "collectives": report.count,
+                       "collective_mb": report.bytes / 1e6,
+                       "parameter_collectives": sum(c.per_call
+                                                    for c in report.moving_parameters())}
             results[name] = figures
             print(f"{name:14s} argument {figures['argument']:8.2f}  temp "
                   f"{figures['temp']:8.2f}  output {figures['output']:8.2f}  aliased "
                   f"{figures['alias']:8.2f} GiB/device  (lower+compile {seconds:.1f} s)",
                   file=out)
+            for line in collectives.describe(report, indent=" " * 15):
+                print(line, file=out)
             if tpu:
                 exported = jax.export.export(fn, platforms=["tpu"])(*args)
                 print(f"{'':14s} lowers for TPU: {len(exported.mlir_module()) / 1e6:.1f} MB of "
