@@ -27,7 +27,8 @@ KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all
          "collective-permute", "collective-broadcast")
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+             "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e8m0fnu": 1}
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s.*\{\s*$")
 _COLLECTIVE = re.compile(r"=\s(.*?)\s(" + "|".join(KINDS) + r")(-start)?\(")
 _WHILE = re.compile(r"\swhile\(.*?body=%([\w.\-]+)")
@@ -74,8 +75,8 @@ class Report:
 
 def result_bytes(result: str) -> int:
     """Bytes of an HLO result type: an array `f32[8,128]{1,0}` or a tuple of arrays."""
-    return sum(math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE.get(dtype, 4)
-               for dtype, dims in _ARRAY.findall(result))
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE[dtype]
+               for dtype, dims in _ARRAY.findall(result) if dtype in _ITEMSIZE)
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:
