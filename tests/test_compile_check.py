@@ -36,12 +36,26 @@ def test_v7x16_full_size_compile_check():
         capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     weights = float(re.search(r"weights ([\d.]+) GiB/device", result.stdout)[1])
-    assert weights == pytest.approx(45.43, rel=0.002)
+    # The report's serving stack measured 45.43 GiB with the low-rank down projections split
+    # too; k3text keeps them whole (+0.75 GiB) so their outputs need no all-reduce.
+    assert weights == pytest.approx(46.18, rel=0.002)
     for name in ("decode step", "prefill chunk"):
         line = next(x for x in result.stdout.splitlines() if x.startswith(name))
         argument, temp = (float(v) for v in re.findall(r"(?:argument|temp)\s+([\d.]+)", line))
         assert argument > weights and temp > 0
-    # Each program's communication report follows its memory line.
-    reports = re.findall(r"collectives per call: ([\d,]+) \(.*?\), ([\d,.]+) MB per device",
-                         result.stdout)
-    assert len(reports) == 2 and all(int(n.replace(",", "")) > 0 for n, _ in reports)
+    # Each program's communication report follows its memory line; nothing moves a weight.
+    assert "!!" not in result.stdout and "<- parameter" not in result.stdout
+    reports = re.findall(r"collectives per call: ([\d,]+) = ([\d.]+) per layer \(.*?\), "
+                         r"([\d,.]+) MB per device as compiled \(([\d,.]+) MB at the "
+                         r"partitioner's dtypes", result.stdout)
+    assert len(reports) == 2
+    (count, per_layer, _, partitioned), _prefill = reports
+    # Batch-1 decode: per layer its output all-reduce, and per MoE layer one gather of the
+    # router scores with the latent, the expert combine and the up projection's all-reduce
+    # (9.4 GB and 1,765 collectives before the layouts were pinned).
+    assert int(count) == 371 and float(per_layer) < 4
+    assert float(partitioned) < 7
+    decode = result.stdout.split("\nprefill chunk")[0]
+    sizes = [float(m) for m in re.findall(r"^\s+[\d,]+ x \S+\s+\S.*?\s([\d.]+)\s+[\d.]+\s+\S",
+                                          decode, re.M)]
+    assert sizes and max(sizes) * 1e6 <= 64 * 1024

@@ -133,9 +133,15 @@ def test_k3_weights_per_device_at_tp32(k3_tp32):
         memory.replicated_floor(shards))
 
 
-def test_v7x16_splits_everything_to_the_serving_stacks_45_4_gib():
+def test_v7x16_keeps_the_low_rank_inputs_whole_and_can_split_them_to_45_4_gib():
+    # v7x16 keeps the low-rank down projections whole (their outputs then need no all-reduce:
+    # tests/test_communication.py); split too, the weights are the serving stack's 45.43 GiB.
     cfg = load_config(CONFIG_DIR / "inference" / "v7x16.yml")
     shards = memory.weight_shards(cfg, memory.mesh_context(cfg))
+    assert sum(s.per_device for s in shards) / GiB == pytest.approx(46.18, abs=0.01)
+    rules = {name: list(axes) for name, axes in cfg.logical_axis_rules.items()}
+    split = cfg.replace(logical_axis_rules={**rules, "lora_in": ["tensor"]})
+    shards = memory.weight_shards(split, memory.mesh_context(split))
     assert sum(memory.replicated_floor(shards).values()) < 0.01 * GiB
     assert sum(s.per_device for s in shards) / GiB == pytest.approx(45.43, rel=0.002)
 

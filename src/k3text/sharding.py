@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -149,6 +150,79 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     if ctx is None or ctx.mesh.size == 1:
         return x
     return jax.lax.with_sharding_constraint(x, ctx.sharding(logical))
+
+
+def constrain_features(x: jax.Array, features: str | None, leading: int = 0) -> jax.Array:
+    """Pin an activation [*leading, batch, ..., features]: batch over the data axes, the last
+    axis by the logical name `features` (None or a replicated name: whole on every device),
+    the `leading` axes and those between unsplit."""
+    if not _PINNING[-1]:
+        return x
+    return constrain(x, (None,) * leading + ("batch",) + (None,) * (x.ndim - leading - 2)
+                     + (features,))
+
+
+def gather_features(pieces: Sequence[jax.Array], features: Sequence[str]) -> list[jax.Array]:
+    """Activations [batch, ..., F_i], each split over its last axis by the logical name
+    `features[i]` (as a projection by a column-split weight leaves it), made whole on every
+    device. Pieces split over the same mesh axes travel in one all-gather: two small gathers
+    cost two collective latencies where one would do, and the partitioner does not merge them.
+    Without an active mesh the pieces come back as they are."""
+    ctx = active()
+    if ctx is None or ctx.mesh.size == 1 or not _PINNING[-1]:
+        return [constrain_features(x, None) for x in pieces]
+    specs = [ctx.spec(("batch",) + (None,) * (x.ndim - 2) + (name,))
+             for x, name in zip(pieces, features, strict=True)]
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, name in enumerate(features):
+        groups.setdefault(ctx.axes(name), []).append(i)
+
+    def body(*local):
+        out = list(local)
+        for axes, members in groups.items():
+            if not axes:
+                continue
+            rows = local[members[0]].shape[0]
+            # Pieces of different dtypes travel as their bytes, each in its own dtype (a
+            # concatenation would widen the narrower ones).
+            mixed = len({local[i].dtype for i in members}) > 1
+            flat = [local[i].reshape(rows, -1) for i in members]
+            if mixed:
+                flat = [jax.lax.bitcast_convert_type(f, jnp.uint8).reshape(rows, -1)
+                        if f.dtype.itemsize > 1 else f.view(jnp.uint8) for f in flat]
+            widths = [f.shape[1] for f in flat]
+            whole = jax.lax.all_gather(jnp.concatenate(flat, axis=-1), axes)
+            offset = 0  # whole: [shards, rows, sum of widths]
+            for i, width in zip(members, widths, strict=True):
+                part = whole[:, :, offset:offset + width]
+                if mixed and local[i].dtype.itemsize > 1:
+                    part = jax.lax.bitcast_convert_type(
+                        part.reshape(*part.shape[:2], -1, local[i].dtype.itemsize),
+                        local[i].dtype)
+                elif mixed:
+                    part = part.view(local[i].dtype)
+                part = part.reshape(-1, *local[i].shape)
+                out[i] = jnp.moveaxis(part, 0, -2).reshape(*local[i].shape[:-1], -1)
+                offset += width
+        return tuple(out)
+
+    replicated = tuple(ctx.spec(("batch",) + (None,) * (x.ndim - 1)) for x in pieces)
+    return list(jax.shard_map(body, mesh=ctx.mesh, in_specs=tuple(specs),
+                              out_specs=replicated, check_vma=False)(*pieces))
+
+
+@contextlib.contextmanager
+def unpinned_activations() -> Iterator[None]:
+    """Leave activation layouts to the partitioner (`constrain_features` and `gather_features`
+    do nothing): the layout before they existed, kept to measure what they save."""
+    _PINNING.append(False)
+    try:
+        yield
+    finally:
+        _PINNING.pop()
+
+
+_PINNING: list[bool] = [True]
 
 
 # --------------------------------------------------------------------------------------------

@@ -90,18 +90,24 @@ _RAGGED_DIMS = jax.lax.RaggedDotDimensionNumbers(
 # --------------------------------------------------------------------------------------------
 
 
-def route(cfg: Config, x: jax.Array, gate: jax.Array, bias: jax.Array,
-          ) -> tuple[jax.Array, jax.Array]:
-    """Top-k experts per token: (weights [N, k] fp32, expert ids [N, k] int32).
-
-    Scores are sigmoid(x @ gate) in fp32; experts are chosen by score + e_score_correction_bias
-    (noaux_tc), inside the `topk_group` best groups (a group scores the sum of its top-2 biased
-    scores); weights are the unbiased scores of the chosen experts, renormalised when
-    `moe_renormalize`, times `routed_scaling_factor`.
-    """
+def router_scores(x: jax.Array, gate: jax.Array, bias: jax.Array) -> jax.Array:
+    """[N, 2, E] fp32: sigmoid(x @ gate) and the same plus e_score_correction_bias, computed
+    where the gate and bias columns live (split over experts)."""
     logits = jnp.dot(x.astype(FP32), gate.astype(FP32), precision=jax.lax.Precision.HIGHEST)
     scores = jax.nn.sigmoid(logits)
-    choice = scores + bias.astype(FP32)
+    return jnp.stack([scores, scores + bias.astype(FP32)], axis=-2)
+
+
+def route(cfg: Config, scores: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Top-k experts per token: (weights [N, k] fp32, expert ids [N, k] int32) from
+    `router_scores`, whole on every device.
+
+    Experts are chosen by score + e_score_correction_bias (noaux_tc), inside the `topk_group`
+    best groups (a group scores the sum of its top-2 biased scores); weights are the unbiased
+    scores of the chosen experts, renormalised when `moe_renormalize`, times
+    `routed_scaling_factor`.
+    """
+    scores, choice = scores[..., 0, :], scores[..., 1, :]
     groups = cfg.num_expert_group
     if cfg.use_grouped_topk and groups > 1:
         grouped = choice.reshape(*choice.shape[:-1], groups, -1)
@@ -375,18 +381,31 @@ class MoE(nnx.Module):
         cfg = self.cfg
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        weights, ids = route(cfg, tokens, self.gate[...], self.e_score_correction_bias[...])
-        z = tokens
+        # The router scores and the latent are computed where their weights' columns live and
+        # gathered (in one collective where both split over the same devices): every device
+        # needs every expert's score and the whole latent. Left alone, the partitioner may
+        # gather the weight instead: a weight-sized transfer each step for an activation-sized
+        # one.
+        scores = router_scores(tokens, self.gate[...], self.e_score_correction_bias[...])
         if cfg.routed_expert_hidden_size:
             z = matmul(cfg, tokens, self.routed_expert_down_proj[...])
+            scores, z = sharding.gather_features((scores, z), ("exp", "latent"))
+        else:
+            z, (scores,) = tokens, sharding.gather_features((scores,), ("exp",))
+        weights, ids = route(cfg, scores)
         experts = LayerExperts.of({name: p.get_value() for name, p in self.experts.items()},
                                   stack_index)
         axes = {name: spec[2] for name, spec in expert_param_shapes(cfg).items()}
         y = routed_experts(cfg, z, weights, ids, experts, axes).astype(compute_dtype(cfg))
         if cfg.routed_expert_hidden_size:
             if cfg.latent_moe_use_norm:
-                y = rms_norm(y, self.routed_expert_norm[...], cfg.rms_norm_eps)
-            y = matmul(cfg, y, self.routed_expert_up_proj[...])
+                # Normalised whole on every device (split, its sum would be one more
+                # collective), then each device keeps its slice of the latent: the up projection
+                # reduces partial outputs, where left alone the partitioner gathers the weight.
+                y = sharding.constrain_features(
+                    rms_norm(y, self.routed_expert_norm[...], cfg.rms_norm_eps), None)
+            y = matmul(cfg, sharding.constrain_features(y, "latent"),
+                       self.routed_expert_up_proj[...])
         if cfg.num_shared_experts:
             y = y + self.shared_experts(tokens)
         return y.reshape(shape)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3text import sharding
 from k3text.config import Config, LayerSpec, ModelStructure
 from k3text.inference.state import DecodeState
 from k3text.layers import attn_res
@@ -64,12 +65,18 @@ class DecoderLayer(nnx.Module):
         routed experts were handed over as that whole stack (see `moe.LayerExperts`)."""
         cfg = self.cfg
 
+        # Sublayer inputs and outputs are pinned whole on every tensor-parallel device
+        # (`activation_embed`): a projection then only ever splits its own output (heads,
+        # experts, latent) or reduces its partial sums, and norms and AttnRes mixes run locally.
+        # Left to itself the partitioner splits the stream and gathers weights instead.
         def mixer(h):
-            return run(self.mixer, self.spec, kda_slot, mla_slot, self.input_layernorm(h), state)
+            h = _residual(self.input_layernorm(_residual(h)))
+            a, state_out = run(self.mixer, self.spec, kda_slot, mla_slot, h, state)
+            return _residual(a), state_out
 
         def mlp(h):
-            h = self.post_attention_layernorm(h)
-            return self.mlp(h, stack_index) if self.spec.mlp == "moe" else self.mlp(h)
+            h = _residual(self.post_attention_layernorm(_residual(h)))
+            return _residual(self.mlp(h, stack_index) if self.spec.mlp == "moe" else self.mlp(h))
 
         if not cfg.attn_res_block_size:
             a, state_out = mixer(stream)
@@ -85,6 +92,10 @@ class DecoderLayer(nnx.Module):
                          self.mlp_res_norm[...], eps)
         prefix = prefix + mlp(h)
         return stream._replace(prefix_sum=prefix), state_out
+
+
+def _residual(x: jax.Array) -> jax.Array:
+    return sharding.constrain_features(x, "activation_embed")
 
 
 class LayerGroup(nnx.Module):

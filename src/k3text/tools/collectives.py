@@ -9,19 +9,29 @@ which collectives move a parameter of the program.
 - Bytes: the size of the collective's result on one device (for an all-gather, the gathered
   array; for an all-reduce, the reduced array). That is what one device receives or combines,
   not a wire-level figure.
+- Dtypes: XLA:CPU widens bf16 collectives to f32 after partitioning (`all-reduce-promotion`,
+  float normalisation), so the compiled CPU program overstates what a TPU compile moves. Given
+  the module as the SPMD partitioner left it (`partitioned_module`), each collective is also
+  priced at the dtype the partitioner gave it (`partitioned_bytes`).
 - Moves a parameter: the partitioner names the program argument a collective's operand was
   taken from in its `op_name` (e.g. `params['lead'][1]['mlp']['routed_expert_down_proj'].value`
   for a gathered weight shard). A collective of a weight every step is the silent-replication
   failure; its count should be zero.
+- Source: the Python line that made it and its caller in another file, from the module's
+  stack-frame table (frames in the sharding helpers, which only pin what their caller
+  computed, are skipped).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 import re
+import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
          "collective-permute", "collective-broadcast")
@@ -47,6 +57,8 @@ class Collective:
     per_call: int  # executions per call of the program (trip counts of enclosing loops)
     op_name: str  # jax's op_name metadata: where in the program it comes from
     moves_parameter: bool  # its operand is taken from a parameter of the program
+    source: str = ""  # "layers/linears.py:21 matmul <- layers/moe.py:412 MoE.__call__"
+    partitioned_bytes: int = 0  # `bytes` at the dtypes the SPMD partitioner gave it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +73,10 @@ class Report:
     @property
     def bytes(self) -> int:
         return sum(c.bytes * c.per_call for c in self.collectives)
+
+    @property
+    def partitioned_bytes(self) -> int:
+        return sum(c.partitioned_bytes * c.per_call for c in self.collectives)
 
     def count_by_kind(self) -> dict[str, int]:
         counts: Counter[str] = Counter()
@@ -77,6 +93,67 @@ def result_bytes(result: str) -> int:
     """Bytes of an HLO result type: an array `f32[8,128]{1,0}` or a tuple of arrays."""
     return sum(math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE[dtype]
                for dtype, dims in _ARRAY.findall(result) if dtype in _ITEMSIZE)
+
+
+def _section(hlo: str, title: str) -> list[str]:
+    """The lines of one of the module's trailing tables (`FileNames`, `StackFrames`, ...)."""
+    m = re.search(rf"^{title}\n(.*?)(?:\n\n|\Z)", hlo, re.S | re.M)
+    return m[1].splitlines() if m else []
+
+
+def _sources(hlo: str, skip: Sequence[str] = ("k3text/sharding.py",)) -> dict[int, str]:
+    """{stack_frame_id: "path:line function"} from the module's stack-frame tables: the
+    innermost frame whose file does not end with one of `skip`, the path from the package."""
+    def table(title: str) -> dict[int, str]:
+        return {int(n): rest for n, rest in
+                (line.strip().split(None, 1) for line in _section(hlo, title) if line.strip())}
+
+    files = {k: v.strip('"') for k, v in table("FileNames").items()}
+    functions = {k: v.strip('"') for k, v in table("FunctionNames").items()}
+    locations = {k: dict(re.findall(r"(\w+)=(\d+)", v)) for k, v in table("FileLocations").items()}
+    # parent_frame_id is printed one above the parent's id; 1 is the root's "no parent".
+    frames = {k: (int(f["file_location_id"]), int(f["parent_frame_id"]) - 1)
+              for k, f in ((k, dict(re.findall(r"(\w+)=(\d+)", v)))
+                           for k, v in table("StackFrames").items())}
+
+    def describe(frame: int) -> str:
+        """The innermost kept frame and its nearest caller in another file ("a <- b")."""
+        seen, kept = set(), []
+        while frame in frames and frame not in seen and len(kept) < 2:
+            seen.add(frame)
+            location, parent = frames[frame]
+            loc = locations.get(location, {})
+            path = files.get(int(loc.get("file_name_id", 0)), "")
+            short = path.split("k3text/", 1)[-1] if "k3text/" in path else path
+            if not path.endswith(tuple(skip)) and (not kept or kept[-1][0] != short):
+                function = functions.get(int(loc.get("function_name_id", 0)), "")
+                kept.append((short, f"{short}:{loc.get('line', '?')} {function}".strip()))
+            frame = parent
+        return " <- ".join(text for _, text in kept)
+
+    return {frame: describe(frame) for frame in frames}
+
+
+def _partitioned_dtypes(module: str) -> dict[tuple[str, str], set[str]]:
+    """{(kind, dims): dtypes} of the collectives in the module as the partitioner emitted it."""
+    dtypes: dict[tuple[str, str], set[str]] = {}
+    for match in _COLLECTIVE.finditer(module):
+        for dtype, dims in _ARRAY.findall(match[1]):
+            dtypes.setdefault((match[2], dims), set()).add(dtype)
+    return dtypes
+
+
+def _repriced(result: str, kind: str, dtypes: dict[tuple[str, str], set[str]]) -> int:
+    """Bytes of `result` with each array at the partitioner's dtype where that is unambiguous."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(result):
+        if dtype not in _ITEMSIZE:
+            continue
+        found = dtypes.get((kind, dims), set())
+        if len(found) == 1 and next(iter(found)) in _ITEMSIZE:
+            dtype = next(iter(found))
+        total += math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE[dtype]
+    return total
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:
@@ -199,13 +276,18 @@ class _Origins:
         return set().union(*(self.arguments(computation, o, depth + 1) for o in operands))
 
 
-def read(hlo: str, argument_names: Sequence[str] = ("params",)) -> Report:
+def read(hlo: str, argument_names: Sequence[str] = ("params",),
+         partitioned_module: str | None = None) -> Report:
     """The collectives of an optimised HLO module's text. A collective whose operand is taken
     (copied, sliced, converted, reshaped) from an entry parameter whose op_name starts with one
-    of `argument_names` (the program's weight arguments) moves a parameter."""
+    of `argument_names` (the program's weight arguments) moves a parameter.
+    `partitioned_module`: the same program's HLO right after SPMD partitioning (see
+    `partitioned_hlo`), to price each collective at the partitioner's dtypes."""
     computations = _computations(hlo)
     runs, unknown = _multipliers(computations)
     origins = _Origins(computations)
+    made_at = _sources(hlo)
+    dtypes = _partitioned_dtypes(partitioned_module) if partitioned_module else {}
     prefixes = tuple(f"{a}{sep}" for a in argument_names for sep in ("[", "."))
     found = []
     for name, table in origins.tables.items():
@@ -217,17 +299,35 @@ def read(hlo: str, argument_names: Sequence[str] = ("params",)) -> Report:
                 continue
             sources = set().union(*(origins.arguments(name, o) for o in inst.operands))
             moved = sorted(s for s in sources if s.startswith(prefixes))
+            frame = re.search(r"stack_frame_id=(\d+)", inst.line)
             found.append(Collective(
                 match[2], re.sub(r"\{[^}]*\}", "", match[1]), result_bytes(match[1]), runs[name],
-                moved[0] if moved else inst.op_name, bool(moved)))
+                moved[0] if moved else inst.op_name, bool(moved),
+                made_at.get(int(frame[1]), "") if frame else "",
+                _repriced(match[1], match[2], dtypes) if dtypes else result_bytes(match[1])))
     return Report(tuple(found), unknown)
 
 
-def describe(report: Report, indent: str = "") -> Iterable[str]:
-    """Lines for a program's report: totals by kind, bytes, parameter moves, the largest."""
+def partitioned_hlo(lowered: Any) -> tuple[Any, str]:
+    """Compile a `jax.jit(...).lower(...)` result; return (compiled, the module's text as the
+    SPMD partitioner left it, before the backend's own passes)."""
+    with tempfile.TemporaryDirectory(prefix="k3text-hlo-") as tmp:
+        compiled = lowered.compile(compiler_options={
+            "xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        dumps = sorted(pathlib.Path(tmp).glob("*after_spmd-partitioning*.txt"))
+        return compiled, dumps[-1].read_text() if dumps else ""
+
+
+def describe(report: Report, indent: str = "", layers: int = 0) -> Iterable[str]:
+    """Lines for a program's report: totals by kind, bytes, parameter moves, the largest.
+    `layers`: the model's depth, for a per-layer figure."""
     by_kind = ", ".join(f"{n:,} {k}" for k, n in sorted(report.count_by_kind().items()))
-    yield (f"{indent}collectives per call: {report.count:,}" + (f" ({by_kind})" if by_kind else "")
-           + f", {report.bytes / 1e6:,.3f} MB per device"
+    per_layer = f" = {report.count / layers:.2f} per layer" if layers else ""
+    yield (f"{indent}collectives per call: {report.count:,}{per_layer}"
+           + (f" ({by_kind})" if by_kind else "")
+           + f", {report.bytes / 1e6:,.3f} MB per device as compiled"
+           + (f" ({report.partitioned_bytes / 1e6:,.3f} MB at the partitioner's dtypes, which "
+              f"XLA:CPU widens)" if report.partitioned_bytes != report.bytes else "")
            + (f"; {report.unknown_trip_counts} loops of unknown trip count counted once"
               if report.unknown_trip_counts else ""))
     moving = report.moving_parameters()
@@ -236,13 +336,18 @@ def describe(report: Report, indent: str = "") -> Iterable[str]:
         yield (f"{indent}!! {sum(c.per_call for c in moving):,} collectives move parameters "
                f"({total / 1e6:,.1f} MB per call), e.g. {moving[0].kind} {moving[0].result} of "
                f"{moving[0].op_name}")
-    groups: dict[tuple[str, str, bool], list[Collective]] = {}
+    groups: dict[tuple[str, str, bool, str], list[Collective]] = {}
     for c in report.collectives:
-        groups.setdefault((c.kind, c.result, c.moves_parameter), []).append(c)
-    ranked = sorted(groups.values(), key=lambda g: (g[0].bytes, sum(c.per_call for c in g)),
+        where = c.op_name if c.moves_parameter else c.source or c.op_name
+        groups.setdefault((c.kind, c.result, c.moves_parameter, where), []).append(c)
+    ranked = sorted(groups.items(), key=lambda kv: (kv[1][0].bytes,
+                                                    sum(c.per_call for c in kv[1])),
                     reverse=True)
-    for group in ranked[:10]:  # the ten largest shapes, identical collectives counted together
+    if ranked:
+        yield (f"{indent}  {'per call':>8s}   {'kind':14s} {'result (compiled)':32s} "
+               f"{'MB each':>9s} {'partitioned':>11s}  source")
+    for (_, _, _, where), group in ranked[:10]:  # the ten largest, like ones counted together
         c, per_call = group[0], sum(c.per_call for c in group)
         flag = "  <- parameter" if c.moves_parameter else ""
-        yield (f"{indent}  {per_call:>6,} x {c.kind:14s} {c.result:32s} {c.bytes / 1e6:10.3f} MB"
-               f"  {c.op_name[:72]}{flag}")
+        yield (f"{indent}  {per_call:>8,} x {c.kind:14s} {c.result:32s} {c.bytes / 1e6:9.4f} "
+               f"{c.partitioned_bytes / 1e6:11.4f}  {where[:96]}{flag}")

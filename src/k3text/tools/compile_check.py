@@ -89,7 +89,23 @@ def programs(inputs: dict[str, Any]) -> dict[str, tuple[Any, tuple]]:
     }
 
 
-def check(cfg: Config, tpu: bool = False, out=sys.stdout) -> dict[str, dict[str, float]]:
+def decode_step_collectives(cfg: Config) -> collectives.Report:
+    """The communication report of one compiled decode step of `cfg` on fake CPU devices (the
+    process must expose `cfg.num_devices` of them: `request_host_devices`, or
+    `jax.config.update("jax_num_cpu_devices", n)` before the backend starts)."""
+    import jax
+
+    from k3text import sharding
+
+    mesh = sharding.make_mesh(cfg, jax.devices()[: cfg.num_devices])
+    ctx = sharding.MeshContext(mesh, cfg.logical_axis_rules)
+    with sharding.use_mesh(mesh, ctx.rules):
+        fn, args = programs(abstract_inputs(cfg, ctx))["decode step"]
+        compiled, partitioned = collectives.partitioned_hlo(fn.lower(*args))
+    return collectives.read(compiled.as_text(), partitioned_module=partitioned)
+
+
+def check(cfg: Config, tpu: bool = False, out=sys.stdout) -> dict[str, dict[str, Any]]:
     """Compile both programs; print and return per-device GiB figures."""
     import jax
 
@@ -110,11 +126,10 @@ def check(cfg: Config, tpu: bool = False, out=sys.stdout) -> dict[str, dict[str,
         results = {}
         for name, (fn, args) in programs(inputs).items():
             start = time.perf_counter()
-            lowered = fn.lower(*args)
-            compiled = lowered.compile()
+            compiled, partitioned = collectives.partitioned_hlo(fn.lower(*args))
             seconds = time.perf_counter() - start
             ma = compiled.memory_analysis()
-            report = collectives.read(compiled.as_text())
+            report = collectives.read(compiled.as_text(), partitioned_module=partitioned)
             figures = {"argument": ma.argument_size_in_bytes / GIB,
                        "output": ma.output_size_in_bytes / GIB,
                        "alias": ma.alias_size_in_bytes / GIB,
@@ -122,6 +137,9 @@ def check(cfg: Config, tpu: bool = False, out=sys.stdout) -> dict[str, dict[str,
                        "compile_seconds": seconds,
                        "collectives": report.count,
                        "collective_mb": report.bytes / 1e6,
+                       "partitioned_collective_mb": report.partitioned_bytes / 1e6,
+                       "largest_collective_bytes": max((c.bytes for c in report.collectives),
+                                                       default=0),
                        "parameter_collectives": sum(c.per_call
                                                     for c in report.moving_parameters())}
             results[name] = figures
@@ -129,7 +147,9 @@ def check(cfg: Config, tpu: bool = False, out=sys.stdout) -> dict[str, dict[str,
                   f"{figures['temp']:8.2f}  output {figures['output']:8.2f}  aliased "
                   f"{figures['alias']:8.2f} GiB/device  (lower+compile {seconds:.1f} s)",
                   file=out)
-            for line in collectives.describe(report, indent=" " * 15):
+            results[name]["report"] = report
+            for line in collectives.describe(report, indent=" " * 15,
+                                             layers=cfg.num_hidden_layers):
                 print(line, file=out)
             if tpu:
                 exported = jax.export.export(fn, platforms=["tpu"])(*args)

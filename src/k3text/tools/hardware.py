@@ -40,5 +40,30 @@ def hardware_rows() -> list[list[str]]:
              f"{h.hbm_per_device / GiB:.2f} GiB ({h.hbm_note})"] for h in HARDWARE.values()]
 
 
+@dataclasses.dataclass(frozen=True)
+class CallLatency:
+    """A per-call latency band for one collective kind, in seconds, and what it rests on."""
+
+    low: float
+    high: float
+    basis: str
+
+
+# Small-message collectives on v7x-16, from the K3 report §12.1 ⑩: all-to-all measured at
+# 9.88 us per call chained (each call waits for the last) and 2.35 us when ~1,000 independent
+# calls overlap, flat from 64 B to 16 KB; a synthetic psum on a 1-D 32-device mesh at
+# 16.3-18.8 us chained (no overlapped figure). None of them is a measurement of k3text's own
+# program: they price a compiled collective count, they do not predict it.
+V7X16_CALL_LATENCY: dict[str, CallLatency] = {
+    "all-to-all": CallLatency(2.35e-6, 9.88e-6, "measured a2a, overlapped .. chained"),
+    "ragged-all-to-all": CallLatency(2.35e-6, 9.88e-6, "priced as the measured a2a"),
+    "all-reduce": CallLatency(16.3e-6, 18.8e-6, "synthetic chained psum"),
+    "reduce-scatter": CallLatency(16.3e-6, 18.8e-6, "unmeasured: priced as the psum"),
+    "all-gather": CallLatency(2.35e-6, 18.8e-6, "unmeasured: a2a overlapped .. psum chained"),
+    "collective-permute": CallLatency(2.35e-6, 18.8e-6, "unmeasured: a2a overlapped .. psum"),
+    "collective-broadcast": CallLatency(2.35e-6, 18.8e-6, "unmeasured: a2a overlapped .. psum"),
+}
+
+
 HARDWARE_HEADERS = ("chip", "HBM bandwidth", "bf16 TFLOPS", "fp8 TFLOPS", "devices",
                     "HBM per device")

@@ -23,12 +23,19 @@ import dataclasses
 import math
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from k3text.config import Config
 from k3text.inference.state import bytes_per_sequence
 from k3text.layers import mxfp4
 from k3text.tools import cli, inventory
-from k3text.tools.hardware import HARDWARE, HARDWARE_HEADERS, Hardware, hardware_rows
+from k3text.tools.hardware import (
+    HARDWARE,
+    HARDWARE_HEADERS,
+    V7X16_CALL_LATENCY,
+    Hardware,
+    hardware_rows,
+)
 from k3text.tools.inventory import COMPONENTS, Tensor
 from k3text.tools.params import active_params, param_report
 from k3text.tools.tables import flops, gb, table, tokens
@@ -272,6 +279,28 @@ def render(cfg: Config, machine: Machine, latent: str | None, context: int,
     ])
 
 
+def communication_table(report: Any, floor_seconds: float, batch: int) -> str:
+    """A compiled decode step's collectives priced with the v7x-16 per-call latency bands,
+    beside the batch-1 HBM floor."""
+    counts = report.count_by_kind()
+    rows, low, high = [], 0.0, 0.0
+    for kind, n in sorted(counts.items()):
+        band = V7X16_CALL_LATENCY[kind]
+        low, high = low + n * band.low, high + n * band.high
+        rows.append([kind, f"{n:,}", f"{band.low * 1e6:.2f}-{band.high * 1e6:.2f}",
+                     band.basis, f"{_ms(n * band.low)}-{_ms(n * band.high)}"])
+    rows += [("-",), ["collectives", f"{report.count:,}", "", "",
+                      f"{_ms(low)}-{_ms(high)}"],
+             ["HBM floor", "", "", "", _ms(floor_seconds)],
+             ["ratio", "", "", "", f"{low / floor_seconds:.1f}-{high / floor_seconds:.1f}x"]]
+    return table(("collective", "per step", "us per call", "latency basis (K3 report §12.1)",
+                  "ms per step"), rows,
+                 title=f"Decode step communication at batch {batch}, counted from the compiled "
+                       f"program ({report.partitioned_bytes / 1e6:,.2f} MB per device at the "
+                       f"partitioner's dtypes); per-call latencies are the report's synthetic "
+                       f"v7x-16 figures, a band, not a measurement of this program")
+
+
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -299,12 +328,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="count the LatentMoE projections in this format (default: as stored)")
     p.add_argument("--mfu", type=_fractions, default=(0.3, 0.45),
                    help="comma-separated utilisations for the prefill table (default 0.3,0.45)")
+    p.add_argument("--collectives", action="store_true",
+                   help="also compile the config's decode step on fake CPU devices and price "
+                        "its collectives per step with the v7x-16 per-call latency band")
 
     def body(args: argparse.Namespace, cfg: Config, values: dict[str, int]) -> str:
         hardware = HARDWARE[args.hardware]
         chips = args.chips or max(1, cfg.num_devices // hardware.devices_per_chip)
-        return render(cfg, Machine(hardware, chips), args.latent_proj_format,
+        machine = Machine(hardware, chips)
+        text = render(cfg, machine, args.latent_proj_format,
                       values.get("context", cfg.max_target_length), args.mfu)
+        if args.collectives:
+            import jax
+
+            from k3text.tools import compile_check
+
+            jax.config.update("jax_num_cpu_devices", max(cfg.num_devices, 1))
+            report = compile_check.decode_step_collectives(cfg)
+            floor = machine.memory_seconds(sum(decode_weight_bytes(
+                cfg, inventory.inventory(cfg), 1, args.latent_proj_format).values()))
+            text += "\n\n" + communication_table(report, floor, cfg.global_batch_size)
+        return text
 
     return cli.run(p, argv, body, tuple(keys))
 

@@ -1,0 +1,99 @@
+"""Communication of the compiled programs, read from their HLO: no collective moves a parameter,
+decode collectives are a few activation rows each, and the count per layer is the layout's
+structural minimum (on the 8-device CPU configs here; v7x16 in test_compile_check)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3text import sharding
+from k3text.config import load_config
+from k3text.tools import collectives, compile_check
+
+from helpers import ROOT, mesh_context
+
+CPU8 = ("cpu8-local.yml", "cpu8-all-to-all.yml")
+
+
+def compiled_reports(cfg, pinned=True):
+    ctx = mesh_context(cfg)
+    reports = {}
+    with sharding.use_mesh(ctx.mesh, ctx.rules):
+        for name, (fn, args) in compile_check.programs(
+                compile_check.abstract_inputs(cfg, ctx)).items():
+            # `programs` makes new functions on each call: no trace is shared between layouts.
+            if pinned:
+                lowered = fn.lower(*args)
+            else:
+                with sharding.unpinned_activations():
+                    lowered = fn.lower(*args)
+            compiled, partitioned = collectives.partitioned_hlo(lowered)
+            reports[name] = collectives.read(compiled.as_text(), partitioned_module=partitioned)
+    return ctx, reports
+
+
+def local_moe_count(cfg, ctx) -> int:
+    """Collectives per decode step of the local-expert layout: one all-reduce per sublayer
+    output projection (attention, dense MLP, LatentMoE up projection with the shared experts),
+    the vocab-split embedding's all-reduce, and per MoE layer the router-score + latent
+    gather(s) and the expert combine."""
+    st = cfg.structure
+    moe = sum(spec.mlp == "moe" for spec in st.layers)
+    gathers = 1 if ctx.axes("exp") == ctx.axes("latent") else 2
+    return 1 + len(st.layers) + (len(st.layers) - moe) + moe * (gathers + 2)
+
+
+@pytest.mark.parametrize("config", CPU8)
+def test_cpu8_programs_move_only_activations(config):
+    cfg = load_config(ROOT / "configs/inference" / config)
+    ctx, reports = compiled_reports(cfg)
+    layers = cfg.num_hidden_layers
+    for name, report in reports.items():
+        assert report.count > 0, name
+        assert not report.moving_parameters(), (name, report.moving_parameters()[:3])
+        assert all(c.source for c in report.collectives), name
+    decode = reports["decode step"]
+    # Batch 20 on 8 devices: every decode collective is at most a few rows of activations.
+    row = cfg.hidden_size * 4 * cfg.global_batch_size
+    assert max(c.bytes for c in decode.collectives) <= 2 * row
+    if cfg.moe_ep_mode == "local":
+        assert decode.count == local_moe_count(cfg, ctx) == 63
+        assert decode.count_by_kind() == {"all-reduce": 39, "all-gather": 24}
+    else:  # dispatch and combine all-to-alls instead of the combine all-reduce
+        assert decode.count / layers <= 8
+        assert decode.count_by_kind().get("all-to-all", 0) > 0
+
+
+def test_unpinned_layout_gathers_weights_and_pinned_does_not():
+    """The same program with the activation pins off is the layout the report caught: the
+    partitioner gathers a LatentMoE projection weight in every MoE layer."""
+    cfg = load_config(ROOT / "configs/inference/cpu8-local.yml")
+    _, pinned = compiled_reports(cfg)
+    _, unpinned = compiled_reports(cfg, pinned=False)
+    moved = unpinned["decode step"].moving_parameters()
+    assert len(moved) == 12 and all("routed_expert_down_proj" in c.op_name for c in moved)
+    assert not pinned["decode step"].moving_parameters()
+    assert pinned["decode step"].count < unpinned["decode step"].count
+
+
+@pytest.mark.parametrize("features", [("exp", "latent"), ("latent", "latent"), ("exp",)])
+def test_gather_features_is_exact_and_merges_pieces_on_the_same_axes(features):
+    cfg = load_config(ROOT / "configs/inference/cpu8-local.yml")  # exp: 8 ways, latent: 2
+    ctx = mesh_context(cfg)
+    rng = np.random.default_rng(0)
+    shapes = {"exp": ((6, 2, 16), jnp.float32), "latent": ((6, 10), jnp.bfloat16)}
+    pieces = [jnp.asarray(rng.normal(size=shapes[f][0]), shapes[f][1]) for f in features]
+
+    def program(*xs):
+        xs = [sharding.constrain_features(x, f) for x, f in zip(xs, features, strict=True)]
+        return sharding.gather_features(xs, features)
+
+    with sharding.use_mesh(ctx.mesh, ctx.rules):
+        got = jax.jit(program)(*pieces)
+        report = collectives.read(jax.jit(program).lower(*pieces).compile().as_text())
+    for g, x in zip(got, pieces, strict=True):
+        assert g.dtype == x.dtype and g.sharding.is_fully_replicated
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(x, np.float32))
+    groups = len({ctx.axes(f) for f in features})
+    assert report.count_by_kind() == {"all-gather": groups}
