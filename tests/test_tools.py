@@ -251,6 +251,20 @@ def test_roofline_cli(capsys):
     assert "latent projections counted as mxfp4" in out and "130.05 GB" in out
 
 
+def test_roofline_prices_the_compiled_collectives_with_the_v7x16_band(capsys):
+    # The 8-device CPU config's decode step, compiled in this process: 39 all-reduces priced
+    # at the chained psum's 16.3-18.8 us, 24 all-gathers across 2.35-18.8 us.
+    config = str(CONFIG_DIR / "inference" / "cpu8-local.yml")
+    assert roofline.main([config, "--collectives", "--chips", "16"]) == 0
+    out = capsys.readouterr().out.split("Decode step communication")[1]
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[3:]}
+    assert rows["all-reduce"][1] == "39" and rows["all-gather"][1] == "24"
+    low, high = (float(v) for v in rows["collectives"][2].split("-"))
+    assert low == pytest.approx((39 * 16.3 + 24 * 2.35) / 1e3, abs=1e-3)
+    assert high == pytest.approx(63 * 18.8 / 1e3, abs=1e-3)
+    assert "synthetic" in out and "HBM floor" in out
+
+
 def test_params_cli(capsys):
     assert params.main([str(K3)]) == 0
     out = capsys.readouterr().out

@@ -343,7 +343,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             from k3text.tools import compile_check
 
-            jax.config.update("jax_num_cpu_devices", max(cfg.num_devices, 1))
+            try:  # fake CPU devices for the config's mesh, unless a backend already started
+                jax.config.update("jax_num_cpu_devices", max(cfg.num_devices, 1))
+            except RuntimeError:
+                pass  # then the mesh takes the devices there are, or says how many it needs
             report = compile_check.decode_step_collectives(cfg)
             floor = machine.memory_seconds(sum(decode_weight_bytes(
                 cfg, inventory.inventory(cfg), 1, args.latent_proj_format).values()))
