@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import ml_dtypes
 import numpy as np
@@ -25,13 +26,17 @@ LAYER = "language_model.model.layers.1."
 EXPERT = LAYER + "block_sparse_moe.experts.3.w1.weight_packed"
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    """A random k3-tiny in the released K3 layout, in 3 shards."""
-    path = tmp_path_factory.mktemp("src") / "hf"
-    assert synthetic.main(["--model-config", str(MODELS / "k3-tiny.yml"), "--out", str(path),
+def released_layout(tmp_path_factory, model: str):
+    """A random `model` in the released K3 layout, in 3 shards."""
+    path = tmp_path_factory.mktemp(model) / "hf"
+    assert synthetic.main(["--model-config", str(MODELS / f"{model}.yml"), "--out", str(path),
                            "--shards", "3"]) == 0
     return path
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return released_layout(tmp_path_factory, "k3-tiny")
 
 
 @pytest.fixture
@@ -186,15 +191,54 @@ def test_interrupted_conversion_leaves_nothing(source, tmp_path, capsys, monkeyp
         write(self, *args)
 
     monkeypatch.setattr(store.Writer, "write", interrupted)
-    if interrupt == "ctrl-c":
-        rc, _, err = run(capsys, "--hf-dir", source, "--out", tmp_path / "out")
-        assert rc == 130 and err[-1].startswith("interrupted; nothing was written")
-    else:
-        with pytest.raises(SystemExit) as exit_:
-            run(capsys, "--hf-dir", source, "--out", tmp_path / "out")
-        assert exit_.value.code == 128 + signal.SIGTERM
+    rc, _, err = run(capsys, "--hf-dir", source, "--out", tmp_path / "out")
+    assert rc == (130 if interrupt == "ctrl-c" else 128 + signal.SIGTERM)
+    assert err[-1].startswith("interrupted; nothing was written")
     assert len(written) == 40
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def small_source(tmp_path_factory):
+    """k3-small: a conversion long enough to interrupt at several moments."""
+    return released_layout(tmp_path_factory, "k3-small")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_real_signal_at_any_moment_leaves_a_whole_output_or_none(small_source, tmp_path,
+                                                                    signum):
+    """The converter process, signalled at several moments from the start of its streaming to
+    its end: it exits 128 + signal (or 0 if it finished first) without a traceback, no
+    staging copy is left, and what it says matches what is on disk."""
+    outcomes = set()
+    for delay in (0.0, 0.1, 0.25, 0.5, 1.0, 2.0):
+        out, log = tmp_path / f"out-{delay}", tmp_path / f"err-{delay}.txt"
+        with log.open("w") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "k3text.checkpoint.convert",
+                                     "--hf-dir", str(small_source), "--out", str(out)],
+                                    stdout=subprocess.PIPE, stderr=err, text=True)
+            deadline = time.monotonic() + 120
+            while proc.poll() is None and not log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.01)  # the progress bar: streaming has started
+            time.sleep(delay)
+            proc.send_signal(signum)
+            stdout, _ = proc.communicate(timeout=120)
+        message = log.read_text().strip().splitlines()[-1]
+        assert "Traceback" not in log.read_text()
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+        if stdout.startswith(f"wrote {out}"):
+            # Finished and said so; a signal landing during interpreter shutdown may still
+            # set the exit status.
+            assert proc.returncode in (0, 128 + signum, -signum)
+            outcomes.add("finished")
+        else:
+            assert proc.returncode == 128 + signum, message
+            assert message.startswith("interrupted")
+            outcomes.add("complete" if "complete" in message else "nothing")
+            assert out.exists() == ("complete" in message), message
+        if out.exists():
+            assert store.stored_arrays(out) and (out / "model.yml").is_file()
+    assert "nothing" in outcomes
 
 
 def test_command_line_tool(source, tmp_path):

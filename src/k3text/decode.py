@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ import grain  # noqa: E402
 import jax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from k3text import sharding  # noqa: E402
+from k3text import files, sharding  # noqa: E402
 from k3text.config import Config, ConfigError  # noqa: E402
 from k3text.inference.engine import Engine, Generation, place_model  # noqa: E402
 from k3text.layers.initializers import Init  # noqa: E402
@@ -178,19 +178,25 @@ def result_records(cfg: Config, requests: Sequence[Request], gen: Generation,
 
 
 def write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
-    """Write atomically: a temp file beside the target, renamed into place."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.fchmod(fd, 0o644)  # mkstemp makes 0600; an output file is an ordinary file
-    try:
-        with os.fdopen(fd, "w") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write atomically (a temp file beside the target, renamed into place), one JSON object
+    per line; a non-finite number (a NaN log-probability) is written as null, so every line
+    stays valid JSON."""
+
+    def write(f):
+        for record in records:
+            f.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+
+    files.write_atomically(path, write)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def print_results(records: list[dict[str, Any]], out: Any = None) -> None:
@@ -262,6 +268,8 @@ def tokenizer_path(cfg: Config) -> str | None:
 
 
 def run(cfg: Config) -> list[dict[str, Any]]:
+    if cfg.output_file and jax.process_index() == 0:  # before any work, not after all of it
+        files.check_output_file(cfg.output_file)
     tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_path(cfg))
     requests = collect_requests(cfg, tokenizer)
     engine, ctx = build(cfg)

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from k3text import corpus
+from k3text import corpus, files
 from k3text.checkpoint import save_model
 from k3text.config import Config, ConfigError
 from k3text.data import token_batches
@@ -191,9 +191,29 @@ def restore_checkpoint(manager: ocp.CheckpointManager, state: TrainState,
     return step, restored.state
 
 
+def check_export_path(cfg: Config) -> None:
+    """Before any work: an existing export is replaced only when `export_overwrite` says so,
+    and a new one must be a directory this process can create."""
+    if not cfg.export_path:
+        return
+    path = Path(cfg.export_path)
+    if path.exists():
+        if not cfg.export_overwrite:
+            raise ConfigError(f"export_path {cfg.export_path} already exists; set "
+                              f"export_overwrite=true to replace it, or give another "
+                              f"export_path")
+        if not path.is_dir():
+            raise ConfigError(f"export_path {cfg.export_path} is a file, not an exported model")
+        return
+    try:
+        files.check_output_file(path, "export_path")
+    except files.OutputError as e:
+        raise ConfigError(str(e)) from None
+
+
 def export(cfg: Config, params: nnx.State, path: str) -> None:
     """Write the trained model as a k3text checkpoint of `cfg` (experts in its format)."""
-    save_model(cfg, jax.device_get(params), path, force=True)
+    save_model(cfg, jax.device_get(params), path, force=cfg.export_overwrite)
     log.info("exported the model (%s experts) to %s", cfg.expert_weight_format, path)
 
 
@@ -247,6 +267,7 @@ def run_steps(cfg: Config, train_step: TrainStep, state: TrainState,
 def train(cfg: Config) -> TrainResult:
     """Train from the latest checkpoint in `checkpoint_dir` (or from `init_seed`) up to
     `train_steps`, then export to `export_path` when it is set."""
+    check_export_path(cfg)
     tokenizer = training_tokenizer(cfg)
     graphdef, params = nnx.split(Decoder(trainable_config(cfg), Init(cfg.init_seed)))
     optimizer = make_optimizer(cfg, params)

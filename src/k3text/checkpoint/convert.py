@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from k3text import files
 from k3text.checkpoint import hf, hf_config, names, store
 from k3text.checkpoint.safetensors_io import DTYPES, CheckpointError, SafetensorsCheckpoint
 from k3text.config import MODEL_KEYS, Config, ConfigError, config_from_dict, load_config
@@ -376,13 +377,33 @@ def convert(hf_dir: str | Path, out: str | Path, model_config: str | Path | None
         more = len(plan.problems) - 1
         raise CheckpointError(plan.problems[0] + (f" (and {more} more problem(s); --dry-run "
                                                   f"lists them)" if more else ""))
-    with store.staged_directory(out, force) as staging:
-        with store.Writer(store.create_arrays(staging, plan.arrays)) as writer:
-            _stream(plan, writer, progress)
-        store.write_tree_metadata(staging, plan.arrays)
-        store.write_model_config(staging, plan.source.cfg)
-        copy_tokenizer(Path(hf_dir), staging)
+    staged = None
+    try:
+        with store.staged_directory(out, force) as (staging, staged):
+            with store.Writer(store.create_arrays(staging, plan.arrays)) as writer:
+                _stream(plan, writer, progress)
+            store.write_tree_metadata(staging, plan.arrays)
+            store.write_model_config(staging, plan.source.cfg)
+            copy_tokenizer(Path(hf_dir), staging)
+    except (KeyboardInterrupt, SystemExit) as e:
+        code = 130 if isinstance(e, KeyboardInterrupt) else e.code
+        raise Interrupted(Path(out), staged is not None and staged.completed,
+                          code if isinstance(code, int) else 1) from None
     return plan
+
+
+class Interrupted(Exception):
+    """A conversion stopped by SIGINT or SIGTERM: whether `out` was already complete (the
+    staging directory renamed into place) or left as it was (the staging copy removed)."""
+
+    def __init__(self, out: Path, completed: bool, exit_code: int):
+        super().__init__(str(out))
+        self.out, self.completed, self.exit_code = out, completed, exit_code
+
+    def message(self) -> str:
+        if self.completed:
+            return f"interrupted after {self.out} was complete: it is a whole checkpoint"
+        return f"interrupted; nothing was written to {self.out} (no partial copy is left)"
 
 
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
@@ -475,18 +496,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _dry_run(args)
         plan = convert(args.hf_dir, args.out, args.model_config, args.force,
                        progress=not args.no_progress)
+        with files.uninterrupted():  # the output is complete: say so whatever arrives now
+            inv = plan_inventory(plan)
+            print(f"wrote {args.out}: {inv.arrays:,} parameter arrays from {inv.text:,} tensors "
+                  f"({plan.source.layout} layout, {inv.vision} vision tensors dropped)")
+        return 0
     except (CheckpointError, ConfigError, OSError) as e:  # UnknownTensorError included
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"interrupted; nothing was written to {args.out}", file=sys.stderr)
-        return 130
+    except Interrupted as e:
+        print(e.message(), file=sys.stderr)
+        return e.exit_code
+    except (KeyboardInterrupt, SystemExit) as e:  # before any output existed (or a dry run)
+        print("interrupted; nothing was written", file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else (e.code or 1)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    inv = plan_inventory(plan)
-    print(f"wrote {args.out}: {inv.arrays:,} parameter arrays from {inv.text:,} tensors "
-          f"({plan.source.layout} layout, {inv.vision} vision tensors dropped)")
-    return 0
 
 
 if __name__ == "__main__":

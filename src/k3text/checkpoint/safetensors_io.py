@@ -14,10 +14,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import secrets
 import struct
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -25,6 +24,8 @@ from typing import Any, BinaryIO
 
 import ml_dtypes
 import numpy as np
+
+from k3text.files import write_atomically
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -311,7 +312,7 @@ def save_file(
         for name in order:  # Converting one tensor at a time keeps at most one copy alive.
             f.write(_little_endian(arrays[name]).reshape(-1).view(np.uint8))
 
-    _atomic_write(Path(path), write)
+    write_atomically(path, write, binary=True)
 
 
 def _dtype_name(tensor: str, dtype: np.dtype) -> str:
@@ -347,20 +348,6 @@ def _build_header(
     return raw + b" " * (-len(raw) % 8)
 
 
-def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write via a temporary file in the same directory, so `path` is never seen half-written."""
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with temporary.open("xb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-
-
 def save_sharded(
     tensors_by_shard: list[Mapping[str, np.ndarray]],
     directory: str | os.PathLike[str],
@@ -381,5 +368,5 @@ def save_sharded(
         save_file(tensors, directory / shard, metadata)
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     index_bytes = (json.dumps(index, indent=2) + "\n").encode("utf-8")
-    _atomic_write(directory / INDEX_FILE, lambda f: f.write(index_bytes))
+    write_atomically(directory / INDEX_FILE, lambda f: f.write(index_bytes), binary=True)
     return directory / INDEX_FILE

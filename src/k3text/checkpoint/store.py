@@ -40,8 +40,6 @@ import dataclasses
 import json
 import math
 import os
-import secrets
-import shutil
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -56,7 +54,7 @@ import tensorstore as ts
 import yaml
 from flax import nnx
 
-from k3text import sharding
+from k3text import files, sharding
 from k3text.checkpoint import hf
 from k3text.checkpoint.safetensors_io import CheckpointError
 from k3text.config import CHECKPOINT_MODEL_FILE, MODEL_KEYS, Config, ConfigError, config_from_dict
@@ -168,12 +166,14 @@ class Writer(contextlib.AbstractContextManager):
         future.result()
 
     def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
-        while self._pending:
-            if kind is None:
+        try:
+            while self._pending and kind is None:
                 self._wait_oldest()
-            else:
-                with contextlib.suppress(Exception):
-                    self._wait_oldest()
+        finally:  # after a failure or an interrupt: let in-flight writes land, undisturbed
+            with files.uninterrupted():
+                while self._pending:
+                    with contextlib.suppress(Exception):
+                        self._wait_oldest()
 
 
 def write_tree_metadata(directory: Path, names: Iterable[str]) -> None:
@@ -203,31 +203,17 @@ def write_model_config(directory: Path, cfg: Config) -> None:
 
 
 @contextlib.contextmanager
-def staged_directory(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
-    """A temporary directory beside `out` that becomes `out` when the block succeeds.
-
-    An existing `out` is an error unless `force`; it is replaced only once the new one is
-    complete. On any exception (KeyboardInterrupt and SystemExit included) the temporary
-    directory is removed and `out` is left as it was.
-    """
-    out = Path(out)
-    if out.exists() and not force:
-        raise CheckpointError(f"{out} already exists; use --force (force=True) to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.{secrets.token_hex(4)}.partial"
-    staging.mkdir()
+def staged_directory(out: str | os.PathLike, force: bool = False,
+                     ) -> Iterator[tuple[Path, files.Staged]]:
+    """`files.staged_directory` for a checkpoint: an existing `out` is a CheckpointError unless
+    `force`."""
     try:
-        yield staging
-        if out.exists():
-            old = staging.with_suffix(".replaced")
-            os.replace(out, old)
-            os.replace(staging, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        staged = files.staged_directory(out, replace=force, how_to_replace="--force "
+                                                                          "(force=True)")
+        with staged as pair:
+            yield pair
+    except files.OutputError as e:
+        raise CheckpointError(str(e)) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,7 +332,7 @@ def save_model(cfg: Config, model_or_params: nnx.Module | nnx.State | Mapping[An
         whole = tuple((0, n) for n in s.shape)
         specs[name] = ArraySpec(s.shape, np.dtype(s.dtype),
                                 chunk_shape(s.shape, np.dtype(s.dtype).itemsize, [whole]))
-    with staged_directory(out_dir, force) as staging:
+    with staged_directory(out_dir, force) as (staging, _):
         with Writer(create_arrays(staging, specs)) as writer:
             for name, spec in specs.items():
                 writer.write(name, (), np.asarray(values[name]).astype(spec.dtype, copy=False))

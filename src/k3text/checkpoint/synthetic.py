@@ -72,7 +72,7 @@ def write_checkpoint(cfg: Config, out: str | Path, layout: str | None = None, se
     """Write a random `layout` checkpoint of `cfg`'s model to `out`; returns the layout."""
     layout = layout or names.default_layout(cfg)
     tensors = hf_checkpoint_tensors(cfg, random_params(cfg, seed), layout, seed)
-    with store.staged_directory(out, force) as staging:
+    with store.staged_directory(out, force) as (staging, _):
         save_sharded(_split(tensors, shards), staging)
         (staging / "config.json").write_text(
             json.dumps(hf_config.config_json(cfg, layout), indent=2) + "\n")

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,12 +31,31 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
     # force: an imported library may already have given the root logger a handler of its own.
     logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr, force=True)
     logging.getLogger("k3text").setLevel(logging.INFO)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         body(load_config(argv[0], argv[1:]))
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)  # OutputError included (a ValueError)
         return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except _Terminated:
+        print(f"{prog}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the main thread is, so `finally` blocks and cleanup run."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated
 
 
 def parser(prog: str, doc: str, tool_keys: Mapping[str, str] | None = None,

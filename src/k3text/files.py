@@ -1,0 +1,138 @@
+"""Writing outputs so that nothing is half-written or silently replaced.
+
+- `check_output_file`: before any work, that a file can be written where asked (so a decode
+  never ends by losing its results to a bad path);
+- `write_atomically`: a temporary file beside the target, renamed into place;
+- `staged_directory`: the same for a directory (checkpoints, exports), with the existing
+  target kept unless replacing it was asked for;
+- `uninterrupted`: SIGINT and SIGTERM held off while cleanup runs, so a second signal (or the
+  first arriving mid-cleanup) cannot leave a staging copy behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+class OutputError(ValueError):
+    """An output path that cannot be written, or that exists and may not be replaced."""
+
+
+_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Ignore SIGINT and SIGTERM for the block (from the main thread; elsewhere a no-op): the
+    block is already the way out, and a signal landing in it would cut its cleanup short.
+    Ignoring (not masking) holds for every thread: a signal the kernel hands to a worker
+    thread would still run Python's handler in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in _SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def check_output_file(path: str | os.PathLike, what: str = "output_file") -> Path:
+    """`path` as a file this process can create or replace: its parent is (or can be made) a
+    writable directory and the path itself is not a directory. Raises OutputError naming `what`
+    and the path; nothing is left behind."""
+    target = Path(path)
+    if target.is_dir():
+        raise OutputError(f"{what} {str(path)!r} is a directory; give a file path")
+    parent = target.parent
+    missing = []
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(f"{what} {str(path)!r}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{what} {str(path)!r}: cannot write in {parent}")
+    if not missing:  # probe the directory itself: access() can be wrong (e.g. /proc, ro mounts)
+        try:
+            fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        except OSError as e:
+            raise OutputError(f"{what} {str(path)!r}: cannot write in {target.parent} "
+                              f"({e.strerror})") from None
+        os.close(fd)
+        os.unlink(probe)
+    return target
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[IO[Any]], None], *,
+                     binary: bool = False, mode: int = 0o644) -> None:
+    """Write a file through `write(f)` (text, or bytes when `binary`) into a temporary file
+    beside `path`, flushed to disk, then rename it into place: readers see the old file or the
+    whole new one, never a part."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    os.fchmod(fd, mode)  # mkstemp makes 0600; an output file is an ordinary file
+    try:
+        with (os.fdopen(fd, "wb") if binary
+              else os.fdopen(fd, "w", encoding="utf-8", newline="")) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with uninterrupted():
+            Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class Staged:
+    """What `staged_directory` did: `completed` once the staging directory became the target."""
+
+    completed = False
+
+
+@contextlib.contextmanager
+def staged_directory(out: str | os.PathLike, replace: bool = False,
+                     how_to_replace: str = "--force") -> Iterator[tuple[Path, Staged]]:
+    """A temporary directory beside `out` that becomes `out` when the block succeeds.
+
+    An existing `out` is an error unless `replace` (the message names `how_to_replace`); it is
+    replaced only once the new one is complete. On any exception (KeyboardInterrupt and
+    SystemExit included) the temporary directory is removed, with signals held off so cleanup
+    finishes, and `out` is left as it was. The returned `Staged` says whether the rename
+    happened, so an interrupt that lands after it can be reported as what it is.
+    """
+    out = Path(out)
+    if out.exists() and not replace:
+        raise OutputError(f"{out} already exists; use {how_to_replace} to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.{secrets.token_hex(4)}.partial"
+    staging.mkdir()
+    staged = Staged()
+    try:
+        yield staging, staged
+        with uninterrupted():
+            if out.exists():
+                old = staging.with_suffix(".replaced")
+                os.replace(out, old)
+                os.replace(staging, out)
+                staged.completed = True
+                shutil.rmtree(old)
+            else:
+                os.replace(staging, out)
+                staged.completed = True
+    except BaseException:
+        with uninterrupted():
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
