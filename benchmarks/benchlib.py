@@ -16,10 +16,11 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from k3text import files
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -169,18 +170,8 @@ def rounded(value: Any, digits: int = 4) -> Any:
 
 
 def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    """Write through a temporary file in the same directory, renamed into place, so a failed
-    run never leaves a half-written results file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, 0o644)  # mkstemp makes 0600; results are for everyone to read
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """A failed run never leaves a half-written results file (`k3text.files`)."""
+    files.write_atomically(path, write)
 
 
 def write_jsonl(path: Path, header: Mapping[str, Any], rows: Iterable[Mapping[str, Any]]

@@ -424,8 +424,17 @@ def _validate(cfg: Config) -> None:
                 "qk_nope_head_dim", "v_head_dim", "num_attention_heads",
                 "linear_attn_config.num_heads", "linear_attn_config.head_dim",
                 "linear_attn_config.short_conv_kernel_size", "kda_chunk_size",
-                "prefill_chunk_size", "max_target_length", "max_prefill_predict_length"):
+                "prefill_chunk_size", "max_target_length", "max_prefill_predict_length",
+                "max_decode_steps", "per_device_batch_size", "train_batch_size",
+                "train_seq_len", "checkpoint_every", "log_every", "learning_rate"):
         _require(cfg[key] > 0, f"config key '{key}' must be positive, got {cfg[key]}")
+    for key in ("train_steps", "warmup_steps", "first_k_dense_replace", "num_experts",
+                "num_shared_experts", "init_seed", "seed"):
+        _require(cfg[key] >= 0, f"config key '{key}' must be >= 0, got {cfg[key]}")
+    if cfg.first_k_dense_replace or not cfg.num_experts or cfg.moe_layer_freq > 1:
+        _require(cfg.intermediate_size > 0, f"config key 'intermediate_size' must be positive "
+                                            f"(the model has dense layers), got "
+                                            f"{cfg.intermediate_size}")
     for axis in MESH_AXES:
         for kind in ("ici", "dcn"):
             key = f"{kind}_{axis}_parallelism"
@@ -516,8 +525,9 @@ def _validate(cfg: Config) -> None:
              f"decode_sampling_temperature must be > 0, got {cfg.decode_sampling_temperature}")
     _require(0 < cfg.decode_sampling_nucleus_p <= 1,
              f"decode_sampling_nucleus_p must be in (0, 1], got {cfg.decode_sampling_nucleus_p}")
-    _require(cfg.decode_sampling_top_k >= 0,
-             f"decode_sampling_top_k must be >= 0, got {cfg.decode_sampling_top_k}")
+    _require(0 <= cfg.decode_sampling_top_k <= cfg.vocab_size,
+             f"decode_sampling_top_k must be in [0, vocab_size={cfg.vocab_size}], got "
+             f"{cfg.decode_sampling_top_k}")
     if cfg.decode_sampling_strategy in ("topk", "composite"):
         _require(cfg.decode_sampling_top_k > 0,
                  f"decode_sampling_strategy={cfg.decode_sampling_strategy} needs "

@@ -267,6 +267,9 @@ def run_steps(cfg: Config, train_step: TrainStep, state: TrainState,
 def train(cfg: Config) -> TrainResult:
     """Train from the latest checkpoint in `checkpoint_dir` (or from `init_seed`) up to
     `train_steps`, then export to `export_path` when it is set."""
+    if cfg.train_steps and cfg.warmup_steps >= cfg.train_steps:
+        raise ConfigError(f"warmup_steps ({cfg.warmup_steps}) must be below train_steps "
+                          f"({cfg.train_steps}): the schedule would never leave its warmup")
     check_export_path(cfg)
     tokenizer = training_tokenizer(cfg)
     graphdef, params = nnx.split(Decoder(trainable_config(cfg), Init(cfg.init_seed)))

@@ -23,7 +23,9 @@ tensors stream in, in whatever order the source stores them:
   restoring a slice reads little beyond it (experts are one chunk each per layer, so expert
   parallelism reads exactly the experts a device holds).
 - No compression: BF16 weights and packed FP4 codes barely compress, and raw chunks keep both
-  conversion and restore at disk speed.
+  conversion and restore at disk speed. Each chunk carries a CRC32C (zarr3's `crc32c` codec),
+  so a damaged chunk fails its read; checkpoints written before that are checked by chunk
+  sizes and values instead (`restore`).
 - Without OCDBT every chunk is an ordinary file, so concurrent region writes need no
   coordination and the tree metadata can be written once all arrays are complete.
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -126,7 +129,9 @@ def _zarr_spec(path: Path, spec: ArraySpec | None = None) -> dict[str, Any]:
             "shape": list(spec.shape),
             "data_type": np.dtype(spec.dtype).name,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(spec.chunks)}},
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+            # A CRC32C per chunk: a damaged chunk fails its read, naming its file.
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                       {"name": "crc32c"}],
         }
         # All-zero chunks are stored too (as Orbax does), so a restore never meets a gap.
         tspec["store_data_equal_to_fill_value"] = True
@@ -234,13 +239,76 @@ def stored_arrays(path: str | os.PathLike) -> dict[str, jax.ShapeDtypeStruct]:
     return {name: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype) for name, m in tree.items()}
 
 
+def check_stored_files(path: str | os.PathLike, names: Iterable[str]) -> None:
+    """Before anything is read: each named array of the checkpoint at `path` has readable zarr
+    metadata and every chunk file at the size that metadata implies. Unchecked, a missing
+    chunk reads as zeros (zarr's fill value) and a missing metadata file ends in a long
+    traceback. Arrays in a layout this check does not know are left to the reader."""
+    params = Path(path) / PARAMS_DIR
+    for name in names:
+        meta_file = params / name / "zarr.json"
+        if not (params / name).is_dir():
+            continue  # not stored at all: `restore` names what the checkpoint lacks
+        try:
+            meta = json.loads(meta_file.read_text())
+            shape = tuple(meta["shape"])
+            chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+            itemsize = np.dtype(meta["data_type"]).itemsize
+            codecs = [c["name"] for c in meta["codecs"]]
+            encoding = meta.get("chunk_key_encoding", {})
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: parameter {name} is damaged: {meta_file} is "
+                                  f"missing") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path}: parameter {name} is damaged: {meta_file} is not "
+                                  f"valid zarr metadata ({type(e).__name__}: {e})") from None
+        if (encoding.get("name", "default") != "default"
+                or encoding.get("configuration", {}).get("separator", "/") != "/"
+                or not codecs or codecs[0] != "bytes" or set(codecs) - {"bytes", "crc32c"}):
+            continue
+        size = math.prod(chunks) * itemsize + 4 * ("crc32c" in codecs)
+        for index in itertools.product(*(range(-(-n // c)) for n, c in zip(shape, chunks,
+                                                                           strict=True))):
+            chunk = params / name / "/".join(["c", *map(str, index)])
+            try:
+                found = chunk.stat().st_size
+            except FileNotFoundError:
+                raise CheckpointError(f"{path}: parameter {name} is damaged: chunk {chunk} "
+                                      f"is missing") from None
+            if found != size:
+                raise CheckpointError(f"{path}: parameter {name} is damaged: chunk {chunk} "
+                                      f"has {found:,} bytes, its metadata implies {size:,}")
+
+
+def check_values(path: str | os.PathLike, arrays: Mapping[str, jax.Array]) -> None:
+    """After a restore: floating parameters hold only finite numbers and MXFP4 scales no NaN
+    code (E8M0 255), the content check a checkpoint written without checksums allows."""
+    floating = {n: a for n, a in arrays.items() if _floating(a.dtype)}
+    scales = {n: a for n, a in arrays.items() if n.endswith("_scale") and a.dtype == jnp.uint8}
+    bad = jax.jit(lambda f, s: ({n: ~jnp.all(jnp.isfinite(a)) for n, a in f.items()}
+                                | {n: jnp.any(a == mxfp4.E8M0_NAN) for n, a in s.items()})
+                  )(floating, scales)
+    damaged = sorted(n for n, flag in jax.device_get(bad).items() if flag)
+    if damaged:
+        what = "non-finite values" if damaged[0] in floating else "NaN scale codes"
+        raise CheckpointError(f"{path}: parameter {damaged[0]} holds {what} (the checkpoint is "
+                              f"damaged: {Path(path) / PARAMS_DIR / damaged[0]})"
+                              + (f"; {len(damaged) - 1} more damaged" if len(damaged) > 1
+                                 else ""))
+
+
 def restore(path: str | os.PathLike,
             targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
     """Restore the named parameters straight into their `targets` shardings (and dtypes).
 
     Every process reads only the slices its devices hold. Names and shapes must match the
     stored arrays exactly (Orbax would silently pad or truncate); dtypes may differ between
-    floating types (cast while reading)."""
+    floating types (cast while reading). The files are checked before reading
+    (`check_stored_files`), chunk checksums while reading, the values after
+    (`check_values`): a damaged checkpoint is one CheckpointError naming the array and file."""
+    if not (Path(path) / PARAMS_DIR / "_METADATA").is_file():
+        raise CheckpointError(f"{path}: not a k3text checkpoint (no {PARAMS_DIR}/_METADATA)")
+    check_stored_files(path, targets)
     stored = stored_arrays(path)
     missing = sorted(targets.keys() - stored.keys())
     if missing:
@@ -260,9 +328,22 @@ def restore(path: str | os.PathLike,
                                                dtype=t.dtype)
                     for name, t in targets.items()}
     item = {name: stored[name] for name in targets}
-    return _checkpointer().restore(
-        Path(path) / PARAMS_DIR,
-        args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+    try:
+        arrays = _checkpointer().restore(
+            Path(path) / PARAMS_DIR,
+            args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+    except Exception as e:  # Orbax wraps tensorstore's DATA_LOSS (checksum), NOT_FOUND, ...
+        raise CheckpointError(f"{path}: the checkpoint is damaged: {_root_cause(e)}") from None
+    check_values(path, arrays)
+    return arrays
+
+
+def _root_cause(error: BaseException) -> str:
+    """The first line of the innermost error in a chain (tensorstore's, naming the file)."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _floating(dtype: Any) -> bool:

@@ -179,6 +179,28 @@ class Engine:
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             return self._step(self.params, tokens, state, key)
 
+    def warm_up(self, batch: int, max_steps: int | None = None) -> float:
+        """Compile (or load from the compilation cache) the programs `generate` runs for
+        `batch` slots, by running them on an empty batch: one chunk of padding and a decode
+        loop with no active slot, which stops before its first step. Returns the seconds it
+        took, so callers can report compile time apart from throughput."""
+        cfg = self.cfg
+        max_steps = cfg.max_decode_steps if max_steps is None else max_steps
+        t0 = time.perf_counter()
+        chunk = np.full((batch, cfg.prefill_chunk_size), cfg.pad_token_id, np.int32)
+        state = self.new_state(batch)
+        logits = self._global(np.zeros((batch, cfg.vocab_size), np.float32), ("batch", None))
+        idle = self._global(np.zeros(batch, bool), ("batch",))
+        key = jax.random.key(0)  # made as `generate` makes it (outside the mesh context)
+        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
+            logits, state = self._prefill_chunk(
+                self.params, self._global(chunk, ("batch", None)),
+                self._global(np.zeros(chunk.shape, bool), ("batch", None)), state,
+                jnp.int32(0), logits)
+            jax.block_until_ready(self._loop(self.params, logits, state, idle, key,
+                                             max_steps=max_steps))
+        return time.perf_counter() - t0
+
     def generate(self, prompts: Sequence[Sequence[int]], batch: int | None = None,
                  max_steps: int | None = None, seed: int | None = None) -> Generation:
         cfg = self.cfg

@@ -31,7 +31,7 @@ FP4_VALUES.flags.writeable = False
 _E2M1_EMAX = 2  # 6 = 1.5 * 2**2
 _E2M1_MAX = 6.0
 _E8M0_BIAS = 127
-_E8M0_NAN = 255
+E8M0_NAN = 255
 _F32_INF_BITS = 0x7F80_0000
 _F32_NAN_BITS = 0x7FC0_0000
 
@@ -163,7 +163,7 @@ def _scaled_fp4_bits(codes: jax.Array, scale: jax.Array) -> jax.Array:
     bits = jnp.where(biased >= 255, _F32_INF_BITS, bits)
     bits = jnp.where((codes & 7) == 0, 0, bits).astype(jnp.uint32)
     bits |= (codes.astype(jnp.uint32) >> 3) << 31
-    return jnp.where(scale == _E8M0_NAN, jnp.uint32(_F32_NAN_BITS), bits)
+    return jnp.where(scale == E8M0_NAN, jnp.uint32(_F32_NAN_BITS), bits)
 
 
 def mxfp4_bytes(shape: Sequence[int]) -> int:

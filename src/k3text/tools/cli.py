@@ -37,6 +37,9 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
         body(load_config(argv[0], argv[1:]))
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)  # OutputError included (a ValueError)
+        # The command ends here: work a library left pending (Orbax's other reads after a
+        # damaged chunk) fails again as it is collected at exit, and has nothing to add.
+        sys.unraisablehook = lambda unraisable: None
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -106,4 +109,7 @@ def run(p: argparse.ArgumentParser, argv: Sequence[str] | None,
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{p.prog}: interrupted", file=sys.stderr)
+        return 130
     return 0

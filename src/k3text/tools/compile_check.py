@@ -171,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("k3text.tools.compile_check: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

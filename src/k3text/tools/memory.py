@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
 from k3text import sharding
-from k3text.config import Config
+from k3text.config import Config, ConfigError
 from k3text.inference.state import STATE_AXES, DecodeState, bytes_per_sequence, state_shapes
 from k3text.tools import cli, inventory
 from k3text.tools.hardware import HARDWARE, HARDWARE_HEADERS, hardware_rows
@@ -270,6 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="per-device bytes set aside for temporaries and activations")
 
     def body(args: argparse.Namespace, cfg: Config, keys: dict[str, int]) -> str:
+        for key in ("batch", "context"):
+            if keys.get(key, 1) < 1:
+                raise ConfigError(f"{key}={keys[key]}: must be at least 1")
+        for flag, value in (("--hbm-gib", args.hbm_gib), ("--reserve-gib", args.reserve_gib)):
+            if value is not None and value < 0:
+                raise ConfigError(f"{flag} {value}: must not be negative")
         hbm = args.hbm_gib * GiB if args.hbm_gib else HARDWARE[args.hardware].hbm_per_device
         return render(cfg, args.hardware, hbm, args.reserve_gib * GiB,
                       keys.get("batch", cfg.global_batch_size),
