@@ -261,3 +261,41 @@ def test_warm_up_compiles_what_generate_runs(capsys):
     traced.clear()
     engine.generate([[5, 6, 7], [8, 9]], batch=4)
     assert not [name for name in traced if "compile" in name]
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "is a directory"),
+    (b'{"prompt_ids": [5, 6]}\n{"prompt": "caf\xe9"}\n', "prompts.jsonl:2: not UTF-8 text"),
+])
+def test_bad_prompts_files_name_the_file_and_line(tmp_path, capsys, content, message):
+    path = tmp_path / "prompts.jsonl"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    assert decode.main([CPU, f"prompts_file={path}", "progress=false"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1], err[-1]
+
+
+def test_random_weights_are_said_loudly(tmp_path, capsys, caplog):
+    config = tmp_path / "empty.yml"
+    config.write_text("")
+    with caplog.at_level("WARNING", logger="k3text"):
+        decode.build(load_config(config))
+    assert "decoding RANDOM weights" in caplog.text
+
+
+def test_a_decode_state_too_large_for_the_device_is_one_line(capsys):
+    # 1,000 slots of 2**31 positions: petabytes, beyond any address space (no overcommit).
+    rc = decode.main([CPU, "max_target_length=2147483647", "per_device_batch_size=1000",
+                      "prompt_ids=5,6,7", "max_decode_steps=2", "progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "GiB per device" in err[-1] and "max_target_length" in err[-1], err[-1]
+
+
+def test_training_refuses_a_mesh_it_would_ignore():
+    cfg = load_config(CONFIG_DIR / "train" / "k3-small.yml", ["ici_tensor_parallelism=2"])
+    with pytest.raises(ConfigError, match="runs on one device; it would ignore "
+                                          "ici_tensor_parallelism=2"):
+        train.train(cfg)

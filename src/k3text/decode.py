@@ -79,14 +79,23 @@ def _encode(text: str, tokenizer: Tokenizer | None, cfg: Config, where: str) -> 
 def read_prompts_file(path: str, tokenizer: Tokenizer | None, cfg: Config) -> list[Request]:
     """Parse and validate every line of a JSONL prompts file before any decoding starts."""
     try:
-        lines = Path(path).read_text().splitlines()
+        raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"prompts_file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"prompts_file {path} is a directory; give a JSONL file") from None
+    except OSError as e:
+        raise ConfigError(f"prompts_file {path} cannot be read ({e.strerror})") from None
     requests = []
-    for number, line in enumerate(lines, start=1):
+    for number, data in enumerate(raw.split(b"\n"), start=1):
+        where = f"{path}:{number}"
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line is "
+                              f"0x{data[e.start]:02x})") from None
         if not line.strip():
             continue
-        where = f"{path}:{number}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
@@ -251,7 +260,9 @@ def build(cfg: Config) -> tuple[Engine, sharding.MeshContext]:
 
         model = load_model(cfg, ctx, cfg.load_parameters_path)
     else:
-        log.info("no load_parameters_path: random weights from init_seed=%d", cfg.init_seed)
+        log.warning("no load_parameters_path: decoding RANDOM weights (init_seed=%d); the "
+                    "outputs are noise. Set load_parameters_path to a checkpoint.",
+                    cfg.init_seed)
         model = place_model(Decoder(cfg, Init(cfg.init_seed)), ctx)
     return Engine(cfg, model, ctx), ctx
 

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from k3text import corpus, files
 from k3text.checkpoint import save_model
-from k3text.config import Config, ConfigError
+from k3text.config import MESH_AXES, Config, ConfigError
 from k3text.data import token_batches
 from k3text.layers.initializers import Init
 from k3text.models.decoder import Decoder
@@ -267,6 +267,11 @@ def run_steps(cfg: Config, train_step: TrainStep, state: TrainState,
 def train(cfg: Config) -> TrainResult:
     """Train from the latest checkpoint in `checkpoint_dir` (or from `init_seed`) up to
     `train_steps`, then export to `export_path` when it is set."""
+    spread = {k: cfg[k] for a in MESH_AXES for k in (f"ici_{a}_parallelism",
+                                                    f"dcn_{a}_parallelism") if cfg[k] != 1}
+    if spread:
+        raise ConfigError(f"k3text.train runs on one device; it would ignore "
+                          f"{', '.join(f'{k}={v}' for k, v in spread.items())}")
     if cfg.train_steps and cfg.warmup_steps >= cfg.train_steps:
         raise ConfigError(f"warmup_steps ({cfg.warmup_steps}) must be below train_steps "
                           f"({cfg.train_steps}): the schedule would never leave its warmup")

@@ -77,7 +77,21 @@ class Engine:
                            out_shardings=shardings)
             self._zero_state[batch] = make
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
-            return make()
+            try:
+                return make()
+            except jax.errors.JaxRuntimeError as e:
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                shapes = state_shapes(self.cfg, batch)
+                shardings = sharding.tree_shardings(STATE_AXES, shapes, self.ctx)
+                need = sum(int(np.prod(sh.shard_shape(s.shape))) * np.dtype(s.dtype).itemsize
+                           for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings),
+                                            strict=True))
+                raise ConfigError(
+                    f"the decode state for {batch} slots of {cache_length(self.cfg):,} positions "
+                    f"needs {need / 2**30:,.2f} GiB per device, more than the device could "
+                    f"allocate; lower max_target_length or per_device_batch_size "
+                    f"(python -m k3text.tools.memory CONFIG shows the trade-off)") from None
 
     # ---- compiled pieces ------------------------------------------------------------------
 
