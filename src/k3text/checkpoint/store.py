@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import itertools
 import json
 import math
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -329,13 +331,34 @@ def restore(path: str | os.PathLike,
                     for name, t in targets.items()}
     item = {name: stored[name] for name in targets}
     try:
-        arrays = _checkpointer().restore(
-            Path(path) / PARAMS_DIR,
-            args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
-    except Exception as e:  # Orbax wraps tensorstore's DATA_LOSS (checksum), NOT_FOUND, ...
-        raise CheckpointError(f"{path}: the checkpoint is damaged: {_root_cause(e)}") from None
+        with _stderr_kept_for_success():
+            arrays = _checkpointer().restore(
+                Path(path) / PARAMS_DIR,
+                args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+    except Exception as e:  # Orbax wraps tensorstore's errors in its own
+        cause = _root_cause(e)
+        if not any(code in cause for code in ("DATA_LOSS", "NOT_FOUND", "Error reading")):
+            raise  # not the files' fault (memory, a bug): the whole story is worth keeping
+        raise CheckpointError(f"{path}: the checkpoint is damaged: {cause}") from None
     check_values(path, arrays)
     return arrays
+
+
+@contextlib.contextmanager
+def _stderr_kept_for_success() -> Iterator[None]:
+    """Hold what is written to sys.stderr during the block; pass it on if the block succeeds.
+    When one read fails, Orbax's other reads fail in its threads as its event loop closes and
+    print tracebacks of their own; the CheckpointError raised instead says what happened."""
+    real, held = sys.stderr, io.StringIO()
+    sys.stderr = held
+    succeeded = False
+    try:
+        yield
+        succeeded = True
+    finally:
+        sys.stderr = real
+        if succeeded and held.getvalue():
+            real.write(held.getvalue())
 
 
 def _root_cause(error: BaseException) -> str:

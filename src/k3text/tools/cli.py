@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -37,9 +38,7 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
         body(load_config(argv[0], argv[1:]))
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)  # OutputError included (a ValueError)
-        # The command ends here: work a library left pending (Orbax's other reads after a
-        # damaged chunk) fails again as it is collected at exit, and has nothing to add.
-        sys.unraisablehook = lambda unraisable: None
+        _quiet_from_here()
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -51,6 +50,18 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _quiet_from_here() -> None:
+    """The command ends on the error just printed. Work a library left pending (Orbax's other
+    reads after a damaged chunk) fails again in its threads and at exit, with tracebacks that
+    add nothing: the process's own stderr stops here. (Embedded callers, whose sys.stderr is
+    their own, keep it.)"""
+    sys.unraisablehook = lambda unraisable: None
+    threading.excepthook = lambda args: None
+    if sys.stderr is sys.__stderr__:
+        sys.stderr.flush()
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives until the process ends
 
 
 class _Terminated(BaseException):
