@@ -152,14 +152,13 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, ctx.sharding(logical))
 
 
-def constrain_features(x: jax.Array, features: str | None, leading: int = 0) -> jax.Array:
-    """Pin an activation [*leading, batch, ..., features]: batch over the data axes, the last
-    axis by the logical name `features` (None or a replicated name: whole on every device),
-    the `leading` axes and those between unsplit."""
+def constrain_features(x: jax.Array, features: str | None) -> jax.Array:
+    """Pin an activation [batch, ..., features]: batch over the data axes, the last axis by the
+    logical name `features` (None or a replicated name: whole on every device), the axes
+    between unsplit."""
     if not _PINNING[-1]:
         return x
-    return constrain(x, (None,) * leading + ("batch",) + (None,) * (x.ndim - leading - 2)
-                     + (features,))
+    return constrain(x, ("batch",) + (None,) * (x.ndim - 2) + (features,))
 
 
 def gather_features(pieces: Sequence[jax.Array], features: Sequence[str]) -> list[jax.Array]:
@@ -228,6 +227,11 @@ _PINNING: list[bool] = [True]
 # --------------------------------------------------------------------------------------------
 # Parameters and state.
 # --------------------------------------------------------------------------------------------
+
+
+def shard_bytes(s: NamedSharding, shape: Sequence[int], dtype: Any) -> int:
+    """Bytes of the shard one device holds of a [shape] array placed with `s`."""
+    return math.prod(s.shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
 
 
 def variable_axes(variable: nnx.Variable) -> Logical:

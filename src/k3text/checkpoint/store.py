@@ -356,6 +356,11 @@ def _stderr_kept_for_success() -> Iterator[None]:
         yield
         succeeded = True
     finally:
+        if not succeeded:  # let the other reads finish failing into `held` (bounded wait)
+            deadline, size = time.monotonic() + 5.0, -1
+            while size != len(held.getvalue()) and time.monotonic() < deadline:
+                size = len(held.getvalue())
+                time.sleep(0.25)
         sys.stderr = real
         if succeeded and held.getvalue():
             real.write(held.getvalue())

@@ -84,9 +84,8 @@ class Engine:
                     raise
                 shapes = state_shapes(self.cfg, batch)
                 shardings = sharding.tree_shardings(STATE_AXES, shapes, self.ctx)
-                need = sum(int(np.prod(sh.shard_shape(s.shape))) * np.dtype(s.dtype).itemsize
-                           for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings),
-                                            strict=True))
+                need = sum(sharding.shard_bytes(sh, s.shape, s.dtype) for s, sh in
+                           zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True))
                 raise ConfigError(
                     f"the decode state for {batch} slots of {cache_length(self.cfg):,} positions "
                     f"needs {need / 2**30:,.2f} GiB per device, more than the device could "

@@ -55,13 +55,16 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
 def _quiet_from_here() -> None:
     """The command ends on the error just printed. Work a library left pending (Orbax's other
     reads after a damaged chunk) fails again in its threads and at exit, with tracebacks that
-    add nothing: the process's own stderr stops here. (Embedded callers, whose sys.stderr is
-    their own, keep it.)"""
+    add nothing: from here on the process drops unraisable and thread errors, and, when
+    sys.stderr is the process's own, all further stderr output. Only the way out of a
+    command's `main` calls this; a caller that redirected sys.stderr keeps its stream."""
     sys.unraisablehook = lambda unraisable: None
     threading.excepthook = lambda args: None
-    if sys.stderr is sys.__stderr__:
+    if sys.stderr is sys.__stderr__:  # file descriptor 2 itself: native threads write there too
         sys.stderr.flush()
-        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives until the process ends
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
 
 
 class _Terminated(BaseException):

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from flax import nnx
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import AbstractMesh
 
 from k3text import sharding
 from k3text.config import Config, ConfigError
@@ -41,11 +41,6 @@ def mesh_context(cfg: Config) -> sharding.MeshContext:
     shape = cfg.mesh_shape
     return sharding.MeshContext(AbstractMesh(tuple(shape.values()), tuple(shape)),
                                 cfg.logical_axis_rules)
-
-
-def shard_bytes(s: NamedSharding, shape: Sequence[int], dtype: np.dtype) -> int:
-    """Bytes of the shard one device holds of a [shape] array placed with `s`."""
-    return math.prod(s.shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,7 +62,7 @@ class WeightShard:
 def weight_shards(cfg: Config, ctx: sharding.MeshContext) -> list[WeightShard]:
     state = inventory.abstract_state(cfg)
     shardings = dict(nnx.to_flat_state(sharding.state_shardings(state, ctx)))
-    return [WeightShard(t, shard_bytes(shardings[t.path], t.shape, t.dtype))
+    return [WeightShard(t, sharding.shard_bytes(shardings[t.path], t.shape, t.dtype))
             for t in inventory.inventory(cfg, state)]
 
 
@@ -89,7 +84,7 @@ def state_bytes_per_device(cfg: Config, ctx: sharding.MeshContext, batch: int,
     """{DecodeState field: bytes one device holds} for `batch` slots of `cache_len` positions."""
     shapes = state_shapes(cfg, batch, cache_len)
     shardings = sharding.tree_shardings(STATE_AXES, shapes, ctx)
-    return {name: shard_bytes(sh, s.shape, s.dtype)
+    return {name: sharding.shard_bytes(sh, s.shape, s.dtype)
             for name, s, sh in zip(DecodeState._fields, shapes, shardings, strict=True)}
 
 
