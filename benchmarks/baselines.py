@@ -4,7 +4,7 @@
 
 Sections (all by default):
 
-- transformers: k3text decode (`Engine.generate`, on-device loop) vs transformers'
+- transformers: k3text decode (`Engine.decode_batch`, on-device loop) vs transformers'
   `KimiLinearForCausalLM.generate` (torch CPU, greedy) on a small Kimi Linear (hidden 512,
   4 layers, 16 experts) whose k3text twin holds the same weights (tests/hf_reference.py), at
   batch 1 and 8, and at batch 8 once more with the grouped ragged_dot MoE kernel forced.
@@ -25,7 +25,7 @@ Sections (all by default):
   gate `xla_chunked` takes), T up to 4096 (B=1, H=4, K=V=128). Compile excluded; medians; the
   max |difference| from the recurrence is printed as a check.
 - loop: the tiny K3 (configs/models/k3-tiny.yml) at batch 1: the whole decode loop jitted
-  (`Engine.generate`) vs a Python loop over the jitted `Engine.step`, once reading each step's
+  (`Engine.decode_batch`) vs a Python loop over the jitted `Engine.step`, once reading each step's
   tokens back to the host (as a server checking EOS must) and once dispatching asynchronously.
 - mxfp4: the tiny K3 decode step at batch 1 (on-device loop, ms/step) against the number of
   experts at fixed top-k (64 vs 512), MXFP4-packed vs unpacked experts
@@ -217,7 +217,7 @@ def transformers_section(quick: bool) -> list[Row]:
                                (8, grouped, "forced")):
         prompts = rng.integers(3, engine.cfg.vocab_size, (batch, prompt_len))
         listed, tensor = prompts.tolist(), torch.as_tensor(prompts)
-        out = interleaved({"k3text": lambda e=engine, p=listed: e.generate(p),
+        out = interleaved({"k3text": lambda e=engine, p=listed: e.decode_batch(p),
                            "transformers": lambda t=tensor: hf_generate(model, t, steps)},
                           repeats)
         gens, runs = out["k3text"], out["transformers"]
@@ -393,13 +393,13 @@ def loop_section(quick: bool) -> list[Row]:
     prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, 16).tolist()
     # One warm-up call of a step loop compiles both Engine.step variants (the first step takes
     # the sampled prefill tokens, later ones the step's own outputs).
-    out = interleaved({"loop": lambda: engine.generate([prompt]),
+    out = interleaved({"loop": lambda: engine.decode_batch([prompt]),
                        "sync": lambda: step_loop(engine, prompt, sync=True),
                        "async": lambda: step_loop(engine, prompt, sync=False)}, repeats)
     loop_tps = benchlib.median(benchlib.loop_tokens_per_s(1, g.decode_steps, g.decode_seconds)
                                for g in out["loop"])
     tokens = out["loop"][0].output_ids[0]
-    rows = [{"section": "loop", "form": "whole loop jitted (Engine.generate)",
+    rows = [{"section": "loop", "form": "whole loop jitted (Engine.decode_batch)",
              "tokens_per_s": loop_tps, "ms_per_token": 1e3 / loop_tps, "vs_whole_loop": 1.0,
              "same_tokens": True}]
     for name, form in (("sync", "jit-per-step, host sync each step"),
@@ -440,7 +440,7 @@ def mxfp4_section(quick: bool) -> list[Row]:
         engines[case] = decode.build(cfg)[0]
     prompt = [np.random.default_rng(0).integers(3, engines[cases[0]].cfg.vocab_size,
                                                 8).tolist()]
-    out = interleaved({case: lambda e=engine: e.generate(prompt)
+    out = interleaved({case: lambda e=engine: e.decode_batch(prompt)
                        for case, engine in engines.items()}, repeats)
     rows = []
     for (experts, fmt, threshold), gens in out.items():

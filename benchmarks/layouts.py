@@ -9,7 +9,7 @@ on tensor 2 x expert 4), two engines over the same checkpoint: one as the model 
 activations, never weights), one traced inside `sharding.unpinned_activations()`, the layout
 before the pins (the partitioner then gathers a LatentMoE projection weight in every MoE
 layer). Measured interleaved (one call of each per round after a warm-up call each):
-`Engine.generate` on the built-in prompt set (batch 20), decode tokens/s from the on-device
+`Engine.decode_batch` on the built-in prompt set (batch 20), decode tokens/s from the on-device
 loop, plus each decode step's collectives read from its compiled HLO
 (`k3text.tools.collectives`: per step, bytes, parameter moves) and whether both produce the
 same tokens.
@@ -65,7 +65,7 @@ def measure(config: str, repeats: int) -> list[dict[str, Any]]:
     def run(layout: str):
         engine, _ = engines[layout]
         with LAYOUTS[layout]():  # the first call traces: the layout is fixed there
-            return engine.generate(prompts)
+            return engine.decode_batch(prompts)
 
     # Warm-up call of each, then rounds of one call each, as benchmarks/baselines.py does.
     for layout in LAYOUTS:

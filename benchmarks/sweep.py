@@ -22,9 +22,9 @@ every prompt length; consecutive configs that agree on the model keys, dtypes, m
 source (WEIGHT_KEYS) share the placed weights instead of loading them again. A point is one
 (config, prompt length):
 
-1. warm-up: one `Engine.generate` -> `first_call_s` (at a config's first point this compiles
+1. warm-up: one `Engine.decode_batch` -> `first_call_s` (at a config's first point this compiles
    prefill and the decode loop, or loads them from the persistent compilation cache);
-2. `repeats` x `Engine.generate` on fresh random prompts (median over repeats):
+2. `repeats` x `Engine.decode_batch` on fresh random prompts (median over repeats):
    `ttft_ms` = prefill_seconds (time to first token), `decode_tokens_per_s` =
    batch x (steps - 1) / decode_seconds and `loop_step_ms` = decode_seconds / (steps - 1), both
    from the on-device decode loop;
@@ -303,9 +303,9 @@ def measure(engine: Engine, ctx: sharding.MeshContext, length: int, repeats: int
     cfg = engine.cfg
     batch = cfg.global_batch_size
     t0 = time.perf_counter()
-    engine.generate(random_prompts(cfg, length, rng), batch=batch)
+    engine.decode_batch(random_prompts(cfg, length, rng), batch=batch)
     first_call = time.perf_counter() - t0
-    gens = [engine.generate(random_prompts(cfg, length, rng), batch=batch)
+    gens = [engine.decode_batch(random_prompts(cfg, length, rng), batch=batch)
             for _ in range(repeats)]
     steps, memory = step_latencies(engine, ctx, random_prompts(cfg, length, rng), repeats)
     return {

@@ -245,7 +245,7 @@ def test_restored_model_decodes_identically_on_8_devices(small_k3):
         "ici_tensor_parallelism=4", "ignore_eos=true", *EXACT, *DECODE])
     ctx = mesh_context(cfg)
     engine = Engine(cfg, load_model(cfg, ctx, root / "k3text"), ctx)
-    eight = engine.generate(PROMPTS, batch=cfg.global_batch_size)
+    eight = engine.decode_batch(PROMPTS, batch=cfg.global_batch_size)
     for i, record in enumerate(one_device):
         assert eight.output_ids[i] == record["output_ids"]
         np.testing.assert_allclose(eight.output_logprobs[i], record["output_logprobs"],

@@ -50,9 +50,9 @@ def test_ragged_batch_equals_one_by_one(setup):
     cfg, _, engine = setup
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 70, 1, 64)]
-    together = engine.generate(prompts)
+    together = engine.decode_batch(prompts)
     for i, prompt in enumerate(prompts):
-        alone = engine.generate([prompt])
+        alone = engine.decode_batch([prompt])
         assert alone.output_ids[0] == together.output_ids[i], f"prompt {i}"
         np.testing.assert_allclose(alone.output_logprobs[0], together.output_logprobs[i],
                                    atol=1e-4)
@@ -70,7 +70,7 @@ def test_unrolled_engine_reads_split_stacks_and_decodes_the_same(setup):
     experts = [v for path, v in grouped.items() if "experts" in path]
     assert experts and all(len(v[0]) == cfg.num_experts for v in experts)
     prompts = [[5, 6, 7], list(range(3, 70))]
-    a, b = engine.generate(prompts), unrolled.generate(prompts)
+    a, b = engine.decode_batch(prompts), unrolled.decode_batch(prompts)
     assert a.output_ids == b.output_ids
     np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-4)
 
@@ -85,13 +85,13 @@ def test_decode_loop_is_one_compiled_program(setup, monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(Decoder, "decode", counting)
-    engine._loop = jax.jit(engine._loop_impl, static_argnames=("max_steps",),
-                           donate_argnames=("state",))
-    first = engine.generate([[5, 6, 7]], max_steps=cfg.max_decode_steps)
-    second = engine.generate([[9, 8]], max_steps=cfg.max_decode_steps)
+    engine._generate = jax.jit(engine._generate_impl, static_argnames=("max_steps", "top_n"),
+                               donate_argnames=("pool",))
+    first = engine.decode_batch([[5, 6, 7]], max_steps=cfg.max_decode_steps)
+    second = engine.decode_batch([[9, 8]], max_steps=cfg.max_decode_steps)
     # The step body was traced once; both calls ran all their steps inside one program.
     assert len(traces) == 1
-    assert engine._loop._cache_size() == 1
+    assert engine._generate._cache_size() == 1
     assert first.decode_steps == second.decode_steps == cfg.max_decode_steps
 
 

@@ -40,7 +40,7 @@ devices = [jax.devices()[int(i)] for i in order.split(",")]
 mesh = Mesh(np.asarray(devices).reshape([cfg.mesh_shape[a] for a in sharding.MESH_AXES]),
             sharding.MESH_AXES)
 ctx = sharding.MeshContext(mesh, cfg.logical_axis_rules)
-gen = Engine(cfg, load_model(cfg, ctx, ckpt), ctx).generate(json.loads(prompts))
+gen = Engine(cfg, load_model(cfg, ctx, ckpt), ctx).decode_batch(json.loads(prompts))
 print("RESULT", json.dumps({"ids": gen.output_ids, "logprobs": gen.output_logprobs}))
 """
 
@@ -75,7 +75,7 @@ def checkpoint(tmp_path_factory):
     save_model(cfg, element_distinct(cfg), path)
     one = load_config(MODELS / "k3-tiny.yml", [f"load_parameters_path={path}", *MESH, *DECODE])
     ctx = mesh_context(one)
-    expected = Engine(one, load_model(one, ctx, path), ctx).generate(PROMPTS)
+    expected = Engine(one, load_model(one, ctx, path), ctx).decode_batch(PROMPTS)
     return path, expected
 
 

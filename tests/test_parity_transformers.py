@@ -43,7 +43,7 @@ def test_greedy_decode_matches_transformers_generate():
     engine = engine_for(cfg, twin)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (3, 20, 66)]
-    ours = engine.generate(prompts)
+    ours = engine.decode_batch(prompts)
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
             theirs = model.generate(torch.tensor([prompt]), do_sample=False,

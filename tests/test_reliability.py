@@ -259,7 +259,7 @@ def test_warm_up_compiles_what_generate_runs(capsys):
     assert engine.warm_up(4) > 0
     assert "/jax/core/compile/jaxpr_trace_duration" in traced
     traced.clear()
-    engine.generate([[5, 6, 7], [8, 9]], batch=4)
+    engine.decode_batch([[5, 6, 7], [8, 9]], batch=4)
     assert not [name for name in traced if "compile" in name]
 
 

@@ -269,3 +269,70 @@ def test_save_rejects_unsupported_dtype(tmp_path):
     with pytest.raises(ValueError, match="tensor 'c': safetensors has no dtype for complex64"):
         save_file({"c": np.zeros(2, np.complex64)}, tmp_path / "x.safetensors")
     assert not list(tmp_path.iterdir()), "a failed save must leave no file behind"
+
+
+@pytest.mark.parametrize(
+    ("entries", "data", "match"),
+    [
+        # Refused by the library alone (the checks that explain a refusal find nothing).
+        ({"v": _entry("F32", [1], 0, 4), "w": _entry("F32", [1], 8, 12)}, bytes(12),
+         "invalid offset for tensor `w`"),
+        ({"v": _entry("F32", [1], 0, 4)}, bytes(12), "file not fully covered"),
+        # Accepted by the library, but numpy has no such dtype.
+        ({"w": _entry("C64", [1], 0, 8)}, bytes(8), "tensor 'w': unknown dtype 'C64'"),
+        ({"w": _entry("F4", [2], 0, 1)}, bytes(1), "tensor 'w': unknown dtype 'F4'"),
+    ],
+)
+def test_what_only_the_library_checks_is_one_line_naming_the_file(tmp_path, entries, data,
+                                                                   match):
+    path = _raw_file(tmp_path / "bad.safetensors", entries, data)
+    with pytest.raises(CheckpointError, match=match) as caught:
+        read_header(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+
+
+def test_any_library_failure_becomes_one_line_naming_the_file(tmp_path, monkeypatch):
+    """A Rust panic reaches Python as pyo3's PanicException, a BaseException: caught too."""
+    path = tmp_path / "model.safetensors"
+    save_file({"a": np.ones(2, np.float32)}, path)
+
+    class PanicException(BaseException):
+        pass
+
+    def panics(*args, **kwargs):
+        raise PanicException("called `Option::unwrap()` on a `None` value\nnote: backtrace")
+
+    monkeypatch.setattr(safetensors, "safe_open", panics)
+    with pytest.raises(CheckpointError) as caught:
+        read_header(path)
+    assert str(caught.value) == (f"{path}: not a readable safetensors file (called "
+                                 "`Option::unwrap()` on a `None` value note: backtrace)")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors, "safe_open", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        read_header(path)
+
+
+def test_float8_tensors_and_their_truncation(tmp_path):
+    """The library cannot hand float8 to numpy; they are read here, with the same checks."""
+    path = tmp_path / "model.safetensors"
+    rng = np.random.default_rng(0)
+    tensors = {name: rng.standard_normal((3, 4)).astype(dtype) for name, dtype in
+               [("e4m3", ml_dtypes.float8_e4m3fn), ("e5m2", ml_dtypes.float8_e5m2),
+                ("e8m0", ml_dtypes.float8_e8m0fnu)]}
+    tensors["scalar"] = np.array(2.0, ml_dtypes.float8_e4m3fn)
+    save_file(tensors, path)
+    checkpoint = SafetensorsCheckpoint(tmp_path)
+    for name, expected in tensors.items():
+        got = checkpoint.read(name)
+        assert got.dtype == expected.dtype and got.shape == expected.shape, name
+        np.testing.assert_array_equal(got.astype(np.float32), expected.astype(np.float32))
+    last = max(checkpoint.keys(), key=lambda n: checkpoint.info(n).offset)
+    os.truncate(path, path.stat().st_size - 1)
+    with pytest.raises(CheckpointError, match=f"tensor '{last}': file ends after 11 of the "
+                                              "tensor's 12 bytes"):
+        checkpoint.read(last)

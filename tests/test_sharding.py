@@ -54,14 +54,14 @@ PROMPTS = [[5, 6, 7, 8], list(range(3, 40)), [9]]
 @pytest.fixture(scope="module")
 def unsharded_generation(reference):
     cfg, _, _ = reference
-    return engine_for(cfg, seed=1).generate(PROMPTS)
+    return engine_for(cfg, seed=1).decode_batch(PROMPTS)
 
 
 @pytest.mark.parametrize("mode", ["local", "all_to_all"])
 def test_sharded_greedy_tokens_match_unsharded(reference, unsharded_generation, mode):
     cfg, _, _ = reference
     expected = unsharded_generation
-    got = engine_for(sharded(cfg, 2, 4, mode), seed=1).generate(PROMPTS)
+    got = engine_for(sharded(cfg, 2, 4, mode), seed=1).decode_batch(PROMPTS)
     assert got.output_ids == expected.output_ids
     np.testing.assert_allclose(np.array(got.output_logprobs), np.array(expected.output_logprobs),
                                atol=1e-4)

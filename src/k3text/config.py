@@ -532,6 +532,16 @@ def _validate(cfg: Config) -> None:
         _require(cfg.decode_sampling_top_k > 0,
                  f"decode_sampling_strategy={cfg.decode_sampling_strategy} needs "
                  f"decode_sampling_top_k > 0")
+    _require(0 <= cfg.server_port <= 65535, f"server_port must be in [0, 65535], got "
+             f"{cfg.server_port}")
+    for key in ("max_queued_requests", "serve_steps_per_call", "serve_prefill_token_budget",
+                "serve_default_max_tokens"):
+        _require(getattr(cfg, key) >= 1, f"{key} must be >= 1, got {getattr(cfg, key)}")
+    _require(0 <= cfg.serve_max_logprobs <= min(cfg.vocab_size, 20),
+             f"serve_max_logprobs must be in [0, {min(cfg.vocab_size, 20)}], got "
+             f"{cfg.serve_max_logprobs}")
+    _require(cfg.serve_shutdown_timeout >= 0, f"serve_shutdown_timeout must be >= 0, got "
+             f"{cfg.serve_shutdown_timeout}")
     _validate_divisibility(cfg)
 
 

@@ -2,7 +2,7 @@
 
 One token's path through the stack: config -> mesh -> parameters (an Orbax checkpoint from
 tools/convert, or seeded random weights) -> prompts (text, ids, or a JSONL file batched by a
-grain pipeline) -> `Engine.generate` (chunked prefill, on-device decode loop, sampling) ->
+grain pipeline) -> `Engine.decode_batch` (chunked prefill, on-device decode loop, sampling) ->
 JSONL results and a summary.
 
 Prompt sources, in order of precedence: `prompts_file`, `prompt_ids`, `prompt`,
@@ -291,7 +291,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     bar = tqdm(total=len(requests), desc="decode", unit="prompt", file=sys.stderr,
                disable=not cfg.progress or jax.process_index() != 0)
     for group in batches(requests, batch):
-        gen = engine.generate([r.prompt_ids for r in group], batch=batch)
+        gen = engine.decode_batch([r.prompt_ids for r in group], batch=batch)
         gens.append(gen)
         records += result_records(cfg, group, gen, tokenizer)
         bar.update(len(group))

@@ -1,57 +1,47 @@
-"""A streaming reader and writer for the safetensors format.
+"""Safetensors checkpoints through the `safetensors` library, with the errors a user can act on.
 
-A Kimi checkpoint is larger than host RAM, so nothing here holds more than one tensor: headers
-are read on their own and tensors one at a time, each with a single seek and read. numpy has no
-bfloat16 or float8, so those dtypes come from ml_dtypes.
-
-File layout: an 8-byte little-endian header length N, N bytes of JSON mapping each tensor name to
-{"dtype", "shape", "data_offsets": [begin, end]} (plus an optional "__metadata__" of strings),
-then the data buffer that the offsets index into.
+The library parses headers and reads and writes tensors. This layer adds what it lacks: sharded
+checkpoints (`model.safetensors.index.json`), one tensor in memory at a time (a Kimi checkpoint
+is larger than host RAM), atomic writes, and one-line `CheckpointError`s naming the file and the
+tensor: the library's own messages seldom name either, so when it refuses a file the header is
+examined here to say which tensor is at fault and how.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import struct
 from collections import Counter
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from itertools import pairwise
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from itertools import accumulate, pairwise
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import ml_dtypes
 import numpy as np
+import safetensors
+import safetensors.numpy
 
 from k3text.files import write_atomically
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-# The reference implementation refuses larger headers; a bigger length means a corrupt file.
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-DTYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_),
-    "U8": np.dtype(np.uint8),
-    "I8": np.dtype(np.int8),
-    "U16": np.dtype("<u2"),
-    "I16": np.dtype("<i2"),
-    "U32": np.dtype("<u4"),
-    "I32": np.dtype("<i4"),
-    "U64": np.dtype("<u8"),
-    "I64": np.dtype("<i8"),
-    "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F32": np.dtype("<f4"),
-    "F64": np.dtype("<f8"),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-}
+# The safetensors dtypes numpy can hold (with ml_dtypes), by their header names.
+DTYPES: dict[str, np.dtype] = {name: np.dtype(t) for name, t in {
+    "BOOL": np.bool_, "U8": "u1", "I8": "i1", "U16": "<u2", "I16": "<i2", "U32": "<u4",
+    "I32": "<i4", "U64": "<u8", "I64": "<i8", "F16": "<f2", "BF16": ml_dtypes.bfloat16,
+    "F32": "<f4", "F64": "<f8", "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2, "F8_E8M0": ml_dtypes.float8_e8m0fnu}.items()}
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+# The library's numpy reader looks float8 types up as attributes of numpy, which has none
+# (ml_dtypes registers them by name only), so these few are read at the header's offset here.
+_NOT_FROM_LIBRARY = {DTYPES[name] for name in ("F8_E4M3", "F8_E5M2", "F8_E8M0")}
 
 
 class CheckpointError(ValueError):
@@ -60,7 +50,9 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor's bytes lie: `offset` is absolute within `file`."""
+    """Where one tensor's bytes lie: `offset` is absolute within `file`. `source` is the library's
+    handle on the file (one open file per shard), kept so that the tensor is read from the file
+    whose header was checked."""
 
     name: str
     dtype: np.dtype
@@ -68,6 +60,7 @@ class TensorInfo:
     file: Path
     offset: int
     nbytes: int
+    source: Any = field(default=None, compare=False, repr=False)
 
 
 def _error(path: Path, message: str, tensor: str | None = None) -> CheckpointError:
@@ -75,122 +68,130 @@ def _error(path: Path, message: str, tensor: str | None = None) -> CheckpointErr
     return CheckpointError(f"{where}: {message}")
 
 
-def read_header(path: str | os.PathLike[str]) -> dict[str, TensorInfo]:
-    """Read and validate the header of one safetensors file, without reading tensor data.
-
-    A truncated file is caught by comparing each tensor's extent with the file size, so the error
-    names exactly the tensors whose bytes are missing.
-    """
-    path = Path(path)
-    with path.open("rb") as f:
-        file_size = os.fstat(f.fileno()).st_size
-        header, data_start = _read_header_json(f, path, file_size)
-    infos = {name: _tensor_info(path, name, entry, data_start) for name, entry in header.items()}
-    _check_within_file(path, infos, file_size)
-    _check_no_overlap(path, infos)
-    return infos
-
-
-def _read_header_json(f: BinaryIO, path: Path, file_size: int) -> tuple[dict[str, Any], int]:
-    """Returns the header's tensor entries (metadata removed) and where the data buffer starts."""
-    if file_size < 8:
-        raise _error(path, f"only {file_size} bytes, too short to hold the 8-byte header length")
-    (length,) = struct.unpack("<Q", f.read(8))
-    if length > file_size - 8:
-        raise _error(path, f"header length {length} runs past the end of the {file_size}-byte file")
-    if length > _MAX_HEADER_BYTES:
-        raise _error(path, f"header length {length} exceeds the {_MAX_HEADER_BYTES}-byte limit")
+@contextlib.contextmanager
+def _library(path: Path, tensor: str | None = None) -> Iterator[None]:
+    """Any failure of the library (its SafetensorError, OSError, even a Rust panic, which is a
+    BaseException) as one CheckpointError line; Ctrl-C and exits pass through."""
     try:
-        header = json.loads(f.read(length).decode("utf-8"))
+        yield
+    except (KeyboardInterrupt, SystemExit, CheckpointError):
+        raise
+    except BaseException as e:
+        text = " ".join(str(e).split()) or type(e).__name__
+        raise _error(path, f"not a readable safetensors file ({text})", tensor) from None
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, TensorInfo]:
+    """Open one safetensors file and describe its tensors, without reading tensor data."""
+    path = Path(path)
+    try:
+        # pread, not the default mmap: reading a mapped file that was truncated since it was
+        # opened kills the process (SIGBUS); pread fails, and read_tensor says what happened.
+        with _library(path):
+            source = safetensors.safe_open(path, framework="np", backend="pread")
+    except CheckpointError as refused:
+        raise _diagnose(path) or refused from None
+    with _library(path), path.open("rb") as f:
+        data_start = 8 + struct.unpack("<Q", f.read(8))[0]
+        slices = {name: source.get_slice(name) for name in source.offset_keys()}
+        specs = {name: (s.get_dtype(), tuple(s.get_shape())) for name, s in slices.items()}
+    for name, (dtype, _) in specs.items():  # the library knows a few dtypes numpy does not
+        if dtype not in DTYPES:
+            raise _error(path, f"unknown dtype {dtype!r} (supported: {', '.join(DTYPES)})", name)
+    sizes = [math.prod(shape) * DTYPES[dtype].itemsize for dtype, shape in specs.values()]
+    # The library has checked that the tensors lie back to back in offset order from the start
+    # of the data buffer (and that the file holds it all), so their offsets are running sums.
+    offsets = list(accumulate(sizes, initial=data_start))[:-1]
+    return {name: TensorInfo(name, DTYPES[dtype], shape, path, offset, nbytes, source)
+            for (name, (dtype, shape)), offset, nbytes in zip(specs.items(), offsets, sizes,
+                                                               strict=True)}
+
+
+def _diagnose(path: Path) -> CheckpointError | None:
+    """What is wrong with a file the library refused, naming the tensor at fault; None where
+    these checks find nothing (the library's own message then stands)."""
+    try:
+        file_size = path.stat().st_size
+        with path.open("rb") as f:
+            if file_size < 8:
+                return _error(path, f"only {file_size} bytes, too short to hold the 8-byte "
+                                    "header length")
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > file_size - 8:
+                return _error(path, f"header length {length} runs past the end of the "
+                                    f"{file_size}-byte file")
+            if length > 100 << 20:  # the library's limit; its "header too large" says it
+                return None
+            raw = f.read(length)
+    except OSError:
+        return None
+    try:
+        header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _error(path, f"header is not valid UTF-8 JSON ({e})") from e
+        return _error(path, f"header is not valid UTF-8 JSON ({e})")
     if not isinstance(header, dict):
-        raise _error(path, f"header is a JSON {type(header).__name__}, not an object")
+        return _error(path, f"header is a JSON {type(header).__name__}, not an object")
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise _error(path, "__metadata__ must map strings to strings")
-    return header, 8 + length
+        return _error(path, "__metadata__ must map strings to strings")
+    spans = []  # (begin, end, name), absolute
+    for name, entry in header.items():
+        if problem := _entry_problem(entry):
+            return _error(path, problem, name)
+        begin, end = entry["data_offsets"]
+        spans.append((8 + length + begin, 8 + length + end, name))
+    spans.sort()
+    if lost := [span for span in spans if span[1] > file_size]:
+        return _error(path, f"data ends at byte {lost[0][1]} but the file has only {file_size} "
+                            f"bytes; the file is truncated, losing {len(lost)} of {len(spans)} "
+                            f"tensors: " + ", ".join(repr(name) for *_, name in lost), lost[0][2])
+    filled = [span for span in spans if span[1] > span[0]]  # empty tensors may share an offset
+    for (_, before_end, before), (after_begin, _, after) in pairwise(filled):
+        if after_begin < before_end:
+            return _error(path, f"data overlaps that of tensor {before!r}", after)
+    return None
 
 
-def _is_int_list(value: object) -> bool:
-    # JSON true/false arrive as bool, which is a subclass of int.
-    return isinstance(value, list) and all(type(v) is int for v in value)
+def _entry_problem(entry: object) -> str | None:
+    def int_list(value: object) -> bool:  # JSON true/false arrive as bool, a subclass of int
+        return isinstance(value, list) and all(type(v) is int for v in value)
 
-
-def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> TensorInfo:
     if not isinstance(entry, dict):
-        raise _error(path, "header entry is not a JSON object", name)
-    dtype_name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
-        raise _error(path, f"unknown dtype {dtype_name!r} (supported: {', '.join(DTYPES)})", name)
-    if not _is_int_list(shape) or any(d < 0 for d in shape):
-        raise _error(path, f"shape {shape!r} is not a list of non-negative integers", name)
-    if not (_is_int_list(offsets) and len(offsets) == 2 and 0 <= offsets[0] <= offsets[1]):
-        raise _error(path, f"data_offsets {offsets!r} is not [begin, end] with begin <= end", name)
-    dtype = DTYPES[dtype_name]
-    nbytes = math.prod(shape) * dtype.itemsize
+        return "header entry is not a JSON object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        return f"unknown dtype {dtype!r} (supported: {', '.join(DTYPES)})"
+    if not int_list(shape) or any(d < 0 for d in shape):
+        return f"shape {shape!r} is not a list of non-negative integers"
+    if not (int_list(offsets) and len(offsets) == 2 and 0 <= offsets[0] <= offsets[1]):
+        return f"data_offsets {offsets!r} is not [begin, end] with begin <= end"
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize
     if offsets[1] - offsets[0] != nbytes:
-        raise _error(
-            path,
-            f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, "
-            f"but {dtype_name} of shape {shape} needs {nbytes}",
-            name,
-        )
-    return TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], nbytes)
-
-
-def _check_within_file(path: Path, infos: Mapping[str, TensorInfo], file_size: int) -> None:
-    missing = sorted(
-        (info for info in infos.values() if info.offset + info.nbytes > file_size),
-        key=lambda info: info.offset,
-    )
-    if missing:
-        first = missing[0]
-        raise _error(
-            path,
-            f"data ends at byte {first.offset + first.nbytes} but the file has only {file_size} "
-            f"bytes; the file is truncated, losing {len(missing)} of {len(infos)} tensors: "
-            + ", ".join(repr(info.name) for info in missing),
-            first.name,
-        )
-
-
-def _check_no_overlap(path: Path, infos: Mapping[str, TensorInfo]) -> None:
-    # Empty tensors occupy no bytes, so they may share an offset with anything.
-    spans = sorted((info for info in infos.values() if info.nbytes), key=lambda info: info.offset)
-    for before, after in pairwise(spans):
-        if after.offset < before.offset + before.nbytes:
-            raise _error(path, f"data overlaps that of tensor {before.name!r}", after.name)
+        return (f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but {dtype} of "
+                f"shape {shape} needs {nbytes}")
+    return None
 
 
 def read_tensor(info: TensorInfo) -> np.ndarray:
     """Read one tensor into a fresh array; the file may have changed since its header was read."""
-    buffer = np.empty(info.nbytes, dtype=np.uint8)
-    with info.file.open("rb", buffering=0) as f:
-        f.seek(info.offset)
-        got = _read_into(f, memoryview(buffer))
-    if got != info.nbytes:
-        raise _error(
-            info.file,
-            f"file ends after {got} of the tensor's {info.nbytes} bytes (truncated since its "
-            "header was read)",
-            info.name,
-        )
-    return buffer.view(info.dtype).reshape(info.shape)
-
-
-def _read_into(f: BinaryIO, view: memoryview) -> int:
-    """Fill `view` from `f` and return the bytes read, fewer only at end of file.
-
-    One read() returns at most about 2 GiB on Linux, less than an embedding table can hold.
-    """
-    filled = 0
-    while filled < len(view):
-        n = f.readinto(view[filled:])
-        if not n:
-            break
-        filled += n
-    return filled
+    try:
+        if info.dtype in _NOT_FROM_LIBRARY:
+            array = np.fromfile(info.file, info.dtype, math.prod(info.shape), offset=info.offset)
+            if array.nbytes != info.nbytes:
+                raise EOFError
+            return array.reshape(info.shape)
+        with _library(info.file, info.name):
+            return info.source.get_tensor(info.name)
+    except (CheckpointError, OSError, EOFError) as e:
+        # The library does not say the file is shorter than it was: check, to say so.
+        with contextlib.suppress(OSError):
+            if (got := info.file.stat().st_size - info.offset) < info.nbytes:
+                raise _error(info.file, f"file ends after {max(got, 0)} of the tensor's "
+                                        f"{info.nbytes} bytes (truncated since its header was "
+                                        "read)", info.name) from None
+        if isinstance(e, CheckpointError):
+            raise
+        raise _error(info.file, f"cannot be read ({e})", info.name) from None
 
 
 class SafetensorsCheckpoint:
@@ -298,54 +299,24 @@ def save_file(
 ) -> None:
     """Write `tensors` as one safetensors file, atomically.
 
-    Output is deterministic. Tensors are ordered widest dtype first, then by name, as the reference
-    writer does: every tensor then starts at a multiple of its itemsize (the header is padded to 8
-    bytes), so readers can map it in place.
+    The library writes them widest dtype first, then by name, with the header padded to 8 bytes:
+    the output is deterministic and every tensor starts at a multiple of its itemsize. The file
+    is serialized in memory, so this is for files of a few GiB at most.
     """
-    arrays = {name: np.asarray(array) for name, array in tensors.items()}
-    order = sorted(arrays, key=lambda name: (-arrays[name].dtype.itemsize, name))
-    header = _build_header(arrays, order, metadata)
-
-    def write(f: BinaryIO) -> None:
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
-        for name in order:  # Converting one tensor at a time keeps at most one copy alive.
-            f.write(_little_endian(arrays[name]).reshape(-1).view(np.uint8))
-
-    write_atomically(path, write, binary=True)
-
-
-def _dtype_name(tensor: str, dtype: np.dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype.newbyteorder("<")]
-    except KeyError:
-        raise ValueError(f"tensor {tensor!r}: safetensors has no dtype for {dtype}") from None
-
-
-def _little_endian(array: np.ndarray) -> np.ndarray:
-    """`array` as C-contiguous little-endian data, copied only when it is not that already."""
-    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-
-
-def _build_header(
-    arrays: Mapping[str, np.ndarray], order: list[str], metadata: Mapping[str, str] | None
-) -> bytes:
     if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ValueError("safetensors metadata must map strings to strings")
-    if "__metadata__" in arrays:
+    if "__metadata__" in tensors:  # the library would write it, making the header ambiguous
         raise ValueError("'__metadata__' is reserved and cannot name a tensor")
-    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for name in order:
-        array = arrays[name]
-        header[name] = {
-            "dtype": _dtype_name(name, array.dtype),
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
-        }
-        offset += array.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    return raw + b" " * (-len(raw) % 8)
+    arrays = {}
+    for name, tensor in tensors.items():
+        # C-contiguous and little-endian: the library writes the buffer as it lies in memory.
+        array = np.asarray(tensor)
+        array = np.asarray(array, dtype=array.dtype.newbyteorder("<"), order="C")
+        if array.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"tensor {name!r}: safetensors has no dtype for {array.dtype}")
+        arrays[name] = array
+    data = safetensors.numpy.save(arrays, metadata=dict(metadata) if metadata else None)
+    write_atomically(path, lambda f: f.write(data), binary=True)
 
 
 def save_sharded(

@@ -1,21 +1,35 @@
-"""The inference engine: chunked prefill and an on-device decode loop for one model on one mesh.
+"""The inference engine: one model on one mesh, serving a fixed pool of decode slots.
 
-- `prefill(prompts)`: right-pads the prompts into one batch and runs `prefill_chunk_size`
-  chunks through one compiled chunk function, carrying the decode state (KDA recurrent and conv
-  states, MLA latent cache) between chunks. Padding is a no-op on every state, so a ragged batch
+The shape of MaxText's engine API; every method is pure (state in, state out), the caller owns
+the pool:
+- `prefill(prompts)` -> `Prefix`: the prompts right-padded into one batch and run through one
+  compiled chunk program `prefill_chunk_size` tokens at a time (`prefill_chunk` runs one chunk,
+  so a scheduler can interleave a long prompt's chunks with decode calls). A prefix holds the
+  logits at each prompt's last token and each sequence's whole decode state (KDA recurrent and
+  conv states, MLA latent rows, length). Padding is a no-op on every state, so a ragged batch
   gives each sequence exactly what it would get alone.
-- `generate(prompts)`: prefill, then the whole decode loop as one compiled `lax.while_loop`:
-  sample, feed back, stop when every sequence has hit `eos_id` or the step budget. One host call
-  runs all steps (no per-step Python dispatch).
-- `step(...)`: one jitted decode step for callers that schedule their own steps.
+- `insert(pool, prefix, slots, sampling, limits, stop_ids)`: writes prefix rows into pool slots,
+  every array of the slot overwritten (a slot never shows its former occupant's state), and
+  samples each sequence's first token with its own parameters. Rows given slot -1 are padding:
+  their writes are dropped, never landing in a real slot.
+- `generate(pool, n_steps)`: up to `n_steps` decode steps for every slot in one device call (a
+  `lax.while_loop` that ends early once no slot is active): per-slot sampling, stop ids and
+  token limits; returns each slot's tokens and log-probabilities (chosen and top-N).
+- `release(pool, slots)`: marks slots free.
+
+Every program has fixed shapes (the slot count, whole prefill chunks, one prefill batch size per
+caller), so requests coming and going never recompile; `Engine.compiled` logs each new shape.
+`decode_batch(prompts)` is the offline driver's call: prefill, insert into a pool of `batch`
+slots, generate to the end.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,21 +40,69 @@ from jax.experimental import multihost_utils
 from k3text import sharding
 from k3text.config import Config, ConfigError
 from k3text.inference import sampling
+from k3text.inference.sampling import SlotSampling
 from k3text.inference.state import STATE_AXES, DecodeState, cache_length, state_shapes
 from k3text.models.decoder import Decoder, per_layer_state, split_for_unrolled, stacked_state
+
+log = logging.getLogger("k3text.engine")
+
+MAX_STOP_IDS = 8  # stop token ids per slot (eos included); a fixed width keeps one program
+
+
+class Prefix(NamedTuple):
+    """Prefilled sequences: logits [P, vocab] at each one's last token, and their state [P]."""
+
+    logits: jax.Array
+    state: DecodeState
+
+
+class Slots(NamedTuple):
+    """Per-slot bookkeeping of the pool, all with leading axis [S]."""
+
+    tokens: jax.Array  # int32: the last token, the next step's input
+    active: jax.Array  # bool: still generating
+    produced: jax.Array  # int32: tokens generated so far (the next token's number)
+    limit: jax.Array  # int32: tokens this sequence may generate in all
+    stop_ids: jax.Array  # [S, MAX_STOP_IDS] int32, -1 = unused
+    sampling: SlotSampling
+
+
+class Pool(NamedTuple):
+    state: DecodeState
+    slots: Slots
+
+
+class Tokens(NamedTuple):
+    """Host arrays of tokens produced for each slot by one call.
+
+    `insert`: [P] (first tokens of the inserted rows); `generate`: [S, n] with `count` [S]
+    valid entries per slot, in order."""
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray  # [..., top_n]
+    top_logprobs: np.ndarray
+    count: np.ndarray  # tokens per row (insert: 1)
+    active: np.ndarray  # [S] or [P]: still generating after this call
+    steps: int = 1  # decode steps the call ran
+
+
+SLOT_AXES = Slots(tokens=("batch",), active=("batch",), produced=("batch",), limit=("batch",),
+                  stop_ids=("batch", None),
+                  sampling=SlotSampling(("batch",), ("batch",), ("batch",), ("batch", None)))
 
 
 @dataclasses.dataclass
 class Generation:
-    """Per-prompt results of one `generate` call (host numpy)."""
+    """Per-prompt results of one `decode_batch` call (host numpy)."""
 
     prompt_ids: list[list[int]]
     output_ids: list[list[int]]
     output_logprobs: list[list[float]]
     finish_reasons: list[str]
-    prefill_seconds: float  # time to first token (logits of every prompt's last token)
+    prefill_seconds: float  # time to first token (prefill and the first tokens sampled)
     decode_seconds: float  # the decode loop (all remaining steps)
-    decode_steps: int  # loop iterations actually run
+    decode_steps: int  # tokens of the longest sequence: the first plus the loop's steps
 
     @property
     def generated_tokens(self) -> int:
@@ -54,36 +116,38 @@ class Engine:
         self.graphdef, self.params = nnx.split(model)
         if not model.cfg.scan_layers:  # the model's config decides how its layers run
             self.params = split_for_unrolled(self.params, split_experts=ctx.size("exp") == 1)
-        self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnames=("state",))
-        self._loop = jax.jit(self._loop_impl, static_argnames=("max_steps",),
-                             donate_argnames=("state",))
+        self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnames=("prefix",))
+        self._insert = jax.jit(self._insert_impl, static_argnames=("top_n",),
+                               donate_argnames=("pool",))
+        self._generate = jax.jit(self._generate_impl, static_argnames=("max_steps", "top_n"),
+                                 donate_argnames=("pool",))
+        self._release = jax.jit(self._release_impl, donate_argnames=("pool",))
         self._step = jax.jit(self._step_impl, donate_argnames=("state",))
-        self._zero_state: dict[int, Callable[[], DecodeState]] = {}
+        self._zeros: dict[tuple[str, int], Callable[[], Any]] = {}
+        self._shapes_seen: set[tuple[str, str]] = set()
 
     # ---- placement ------------------------------------------------------------------------
 
     def _global(self, host: np.ndarray, logical: tuple) -> jax.Array:
         """A global array from a host array every process holds in full."""
+        host = np.asarray(host)
         target = self.ctx.sharding(logical)
         return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
 
-    def new_state(self, batch: int) -> DecodeState:
-        """Zero decode state for `batch` slots, created directly in its sharding."""
-        make = self._zero_state.get(batch)
+    def _zero(self, kind: str, batch: int, shapes: Any, axes: Any) -> Any:
+        make = self._zeros.get((kind, batch))
         if make is None:  # one compiled program per batch size, not one per call
-            shapes = state_shapes(self.cfg, batch)
-            shardings = sharding.tree_shardings(STATE_AXES, shapes, self.ctx)
+            shardings = sharding.tree_shardings(axes, shapes, self.ctx)
             make = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
                            out_shardings=shardings)
-            self._zero_state[batch] = make
+            self._zeros[(kind, batch)] = make
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             try:
                 return make()
             except jax.errors.JaxRuntimeError as e:
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise
-                shapes = state_shapes(self.cfg, batch)
-                shardings = sharding.tree_shardings(STATE_AXES, shapes, self.ctx)
+                shardings = sharding.tree_shardings(axes, shapes, self.ctx)
                 need = sum(sharding.shard_bytes(sh, s.shape, s.dtype) for s, sh in
                            zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True))
                 raise ConfigError(
@@ -92,52 +156,118 @@ class Engine:
                     f"allocate; lower max_target_length or per_device_batch_size "
                     f"(python -m k3text.tools.memory CONFIG shows the trade-off)") from None
 
+    def new_state(self, batch: int) -> DecodeState:
+        """Zero decode state for `batch` slots, created directly in its sharding."""
+        return self._zero("state", batch, state_shapes(self.cfg, batch), STATE_AXES)
+
+    def new_prefix(self, batch: int) -> Prefix:
+        """An empty prefix of `batch` rows, to run `prefill_chunk` on."""
+        logits = jax.ShapeDtypeStruct((batch, self.cfg.vocab_size), jnp.float32)
+        return Prefix(self._zero("logits", batch, logits, ("batch", None)),
+                      self.new_state(batch))
+
+    def new_pool(self, slots: int) -> Pool:
+        """An empty pool of `slots` decode slots (all free)."""
+        i32 = lambda *shape: jax.ShapeDtypeStruct((slots, *shape), jnp.int32)  # noqa: E731
+        shapes = Slots(tokens=i32(), active=jax.ShapeDtypeStruct((slots,), jnp.bool_),
+                       produced=i32(), limit=i32(), stop_ids=i32(MAX_STOP_IDS),
+                       sampling=SlotSampling(jax.ShapeDtypeStruct((slots,), jnp.float32), i32(),
+                                             jax.ShapeDtypeStruct((slots,), jnp.float32),
+                                             jax.ShapeDtypeStruct((slots, 2), jnp.uint32)))
+        return Pool(self.new_state(slots), self._zero("slots", slots, shapes, SLOT_AXES))
+
+    def _note_shape(self, program: str, shape: str) -> None:
+        """Log the first call of a program at a shape: the call that compiles it."""
+        if (program, shape) not in self._shapes_seen:
+            self._shapes_seen.add((program, shape))
+            log.info("compiling %s for %s (once per shape)", program, shape)
+
     # ---- compiled pieces ------------------------------------------------------------------
 
     def _model(self, params: Any) -> Decoder:
         return nnx.merge(self.graphdef, params)
 
-    def _prefill_chunk_impl(self, params, tokens, valid, state, start, last_logits):
-        logits, state = self._model(params).prefill(tokens, valid, state, start)
+    def _prefill_chunk_impl(self, params, tokens, valid, prefix, start):
+        logits, state = self._model(params).prefill(tokens, valid, prefix.state, start)
         ends_here = jnp.any(valid, axis=1)
-        return jnp.where(ends_here[:, None], logits, last_logits), state
+        return Prefix(jnp.where(ends_here[:, None], logits, prefix.logits), state)
+
+    def _insert_impl(self, pool, prefix, slots, limit, stop_ids, params, top_n: int):
+        rows = prefix.logits.shape[0]
+        first, lp, top_ids, top_lps = sampling.sample_slots(
+            prefix.logits, params, jnp.zeros(rows, jnp.int32), top_n)
+        active = ~(_is_stop(first, stop_ids) | (limit <= 1))
+        # Padding rows carry slot -1: moved past the end, their writes are dropped.
+        at = jnp.where(slots < 0, pool.slots.tokens.shape[0], slots)
+
+        def put(field, whole, part):
+            if field == "lengths":
+                return whole.at[at].set(part, mode="drop")
+            return whole.at[:, at].set(part.astype(whole.dtype), mode="drop")
+
+        state = DecodeState(*(put(f, w, p) for f, w, p in
+                              zip(DecodeState._fields, pool.state, prefix.state, strict=True)))
+        put_slot = lambda whole, part: whole.at[at].set(part.astype(whole.dtype), mode="drop")
+        s = pool.slots
+        new = Slots(tokens=put_slot(s.tokens, first), active=put_slot(s.active, active),
+                    produced=put_slot(s.produced, jnp.ones(rows, jnp.int32)),
+                    limit=put_slot(s.limit, limit), stop_ids=put_slot(s.stop_ids, stop_ids),
+                    sampling=SlotSampling(*(put_slot(w, p) for w, p in
+                                            zip(s.sampling, params, strict=True))))
+        return Pool(state, new), (first, lp, top_ids, top_lps, active)
+
+    def _generate_impl(self, params, pool, max_steps: int, top_n: int):
+        cfg = self.cfg
+        model = self._model(params)
+        slots = pool.slots
+        n = slots.tokens.shape[0]
+        out = jnp.full((n, max_steps), cfg.pad_token_id, jnp.int32)
+        lps = jnp.zeros((n, max_steps), jnp.float32)
+        top_ids = jnp.zeros((n, max_steps, top_n), jnp.int32)
+        top_lps = jnp.zeros((n, max_steps, top_n), jnp.float32)
+
+        def cond(carry):
+            step, active = carry[0], carry[2]
+            return (step < max_steps) & jnp.any(active)
+
+        def body(carry):
+            step, tokens, active, produced, out, lps, top_ids, top_lps, state = carry
+            logits, new_state = model.decode(tokens, state)
+            # Free slots run too (fixed shapes) but their length stays put, so their cache
+            # writes stay in range; `insert` overwrites everything a free slot holds.
+            state = new_state._replace(lengths=jnp.where(active, new_state.lengths,
+                                                         state.lengths))
+            sampled, lp, t_ids, t_lps = sampling.sample_slots(logits, slots.sampling, produced,
+                                                              top_n)
+            out = out.at[:, step].set(jnp.where(active, sampled, cfg.pad_token_id))
+            lps = lps.at[:, step].set(jnp.where(active, lp, 0.0))
+            top_ids = top_ids.at[:, step].set(t_ids)
+            top_lps = top_lps.at[:, step].set(t_lps)
+            produced = produced + active.astype(jnp.int32)
+            finished = _is_stop(sampled, slots.stop_ids) | (produced >= slots.limit)
+            tokens = jnp.where(active, sampled, tokens)
+            return (step + 1, tokens, active & ~finished, produced, out, lps, top_ids, top_lps,
+                    state)
+
+        unrolled = not cfg.scan_layers  # carry each layer's state as its own array
+        start_produced = slots.produced
+        carry = (jnp.int32(0), slots.tokens, slots.active, slots.produced, out, lps, top_ids,
+                 top_lps, per_layer_state(pool.state) if unrolled else pool.state)
+        steps, tokens, active, produced, out, lps, top_ids, top_lps, state = \
+            jax.lax.while_loop(cond, body, carry)
+        if unrolled:
+            state = stacked_state(state)
+        new_slots = slots._replace(tokens=tokens, active=active, produced=produced)
+        return Pool(state, new_slots), (out, lps, top_ids, top_lps, produced - start_produced,
+                                        active, steps)
+
+    def _release_impl(self, pool, free):
+        return pool._replace(slots=pool.slots._replace(active=pool.slots.active & ~free))
 
     def _step_impl(self, params, tokens, state, key):
         logits, state = self._model(params).decode(tokens, state)
         next_tokens, logprobs = sampling.sample(self.cfg, logits, key)
         return next_tokens, logprobs, logits, state
-
-    def _loop_impl(self, params, first_logits, state, active, key, max_steps: int):
-        cfg = self.cfg
-        batch = first_logits.shape[0]
-        eos = -1 if cfg.ignore_eos else cfg.eos_token_id
-        model = self._model(params)
-        first, first_lp = sampling.sample(cfg, first_logits, jax.random.fold_in(key, 0))
-        out = jnp.full((batch, max_steps), cfg.pad_token_id, jnp.int32).at[:, 0].set(first)
-        logprobs = jnp.zeros((batch, max_steps), jnp.float32).at[:, 0].set(first_lp)
-        produced = active.astype(jnp.int32)
-        done = ~active | (first == eos)
-
-        def cond(carry):
-            step, _, _, _, _, done, _ = carry
-            return (step < max_steps) & ~jnp.all(done)
-
-        def body(carry):
-            step, last, out, logprobs, produced, done, state = carry
-            logits, state = model.decode(last, state)
-            tokens, lp = sampling.sample(cfg, logits, jax.random.fold_in(key, step))
-            tokens = jnp.where(done, cfg.pad_token_id, tokens)
-            out = out.at[:, step].set(tokens)
-            logprobs = logprobs.at[:, step].set(jnp.where(done, 0.0, lp))
-            produced = produced + (~done).astype(jnp.int32)
-            done = done | (tokens == eos)
-            return step + 1, tokens, out, logprobs, produced, done, state
-
-        unrolled = not cfg.scan_layers  # carry each layer's state as its own array
-        carry = (jnp.int32(1), first, out, logprobs, produced, done,
-                 per_layer_state(state) if unrolled else state)
-        step, _, out, logprobs, produced, done, state = jax.lax.while_loop(cond, body, carry)
-        return out, logprobs, produced, step, stacked_state(state) if unrolled else state
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -157,10 +287,19 @@ class Engine:
                 raise ConfigError(f"prompt {i} has token ids outside [0, vocab_size="
                                   f"{cfg.vocab_size}): {bad[:5]}")
 
-    def prefill(self, prompts: Sequence[Sequence[int]], batch: int | None = None,
-                ) -> tuple[jax.Array, DecodeState]:
-        """Prefill `prompts` into `batch` slots (default: one per prompt; extra slots stay
-        empty). Returns (logits [batch, vocab] at each prompt's last token, state)."""
+    def prefill_chunk(self, prefix: Prefix, tokens: np.ndarray, valid: np.ndarray,
+                      start: int) -> Prefix:
+        """Run one chunk (tokens and valid [P, prefill_chunk_size], host arrays, at absolute
+        positions from `start`) into `prefix`, which is consumed."""
+        self._note_shape("prefill chunk", "{} x {} tokens".format(*tokens.shape))
+        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
+            return self._prefill_chunk(self.params, self._global(tokens, ("batch", None)),
+                                       self._global(valid, ("batch", None)), prefix,
+                                       jnp.int32(start))
+
+    def prefill(self, prompts: Sequence[Sequence[int]], batch: int | None = None) -> Prefix:
+        """Prefill `prompts` into a prefix of `batch` rows (default: one per prompt; extra rows
+        stay empty): the logits at each prompt's last token and each sequence's state."""
         cfg = self.cfg
         batch = batch or len(prompts)
         chunk = cfg.prefill_chunk_size
@@ -174,16 +313,55 @@ class Engine:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
             valid[i, : len(p)] = True
-        state = self.new_state(batch)
-        logits = self._global(np.zeros((batch, cfg.vocab_size), np.float32), ("batch", None))
+        prefix = self.new_prefix(batch)
+        for start in range(0, padded, chunk):
+            part = slice(start, start + chunk)
+            prefix = self.prefill_chunk(prefix, tokens[:, part], valid[:, part], start)
+        return prefix
+
+    def stop_ids(self, extra: Sequence[int] = ()) -> np.ndarray:
+        """A slot's stop-id row: eos (unless `ignore_eos`) and `extra`, -1 padded."""
+        ids = ([] if self.cfg.ignore_eos else [self.cfg.eos_token_id]) + list(extra)
+        ids = list(dict.fromkeys(ids))
+        if len(ids) > MAX_STOP_IDS:
+            raise ConfigError(f"at most {MAX_STOP_IDS} stop token ids per request "
+                              f"(eos included), got {len(ids)}")
+        return np.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), np.int32)
+
+    def insert(self, pool: Pool, prefix: Prefix, slots: Sequence[int], limits: Sequence[int],
+               stop_ids: np.ndarray, params: SlotSampling, top_n: int = 0,
+               ) -> tuple[Pool, Tokens]:
+        """Insert prefix row i into slot `slots[i]` (-1: a padding row, written nowhere), to
+        generate at most `limits[i]` tokens; samples each row's first token. `pool` is
+        consumed. Returns the new pool and the first tokens [P]."""
+        rows = prefix.logits.shape[0]
+        self._note_shape("insert", f"{rows} rows into {pool.slots.tokens.shape[0]} slots")
+        host = lambda a, dt: np.asarray(a, dt)  # noqa: E731
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
-            for start in range(0, padded, chunk):
-                part = slice(start, start + chunk)
-                logits, state = self._prefill_chunk(
-                    self.params, self._global(tokens[:, part], ("batch", None)),
-                    self._global(valid[:, part], ("batch", None)), state, jnp.int32(start),
-                    logits)
-        return logits, state
+            pool, out = self._insert(
+                pool, prefix, self._global(host(slots, np.int32), ("batch",)),
+                self._global(host(limits, np.int32), ("batch",)),
+                self._global(host(stop_ids, np.int32), ("batch", None)),
+                jax.tree.map(lambda a, ax: self._global(a, ax), params,
+                             SLOT_AXES.sampling), top_n=top_n)
+            first, lp, top_ids, top_lps, active = _to_host(out)
+        return pool, Tokens(first, lp, top_ids, top_lps, np.ones(rows, np.int32), active)
+
+    def generate(self, pool: Pool, n_steps: int, top_n: int = 0) -> tuple[Pool, Tokens]:
+        """Up to `n_steps` decode steps for every slot in one device call (fewer when every
+        slot stops first). `pool` is consumed."""
+        self._note_shape("generate", f"{pool.slots.tokens.shape[0]} slots x {n_steps} steps")
+        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
+            pool, out = self._generate(self.params, pool, max_steps=n_steps, top_n=top_n)
+            ids, lps, top_ids, top_lps, count, active, steps = _to_host(out)
+        return pool, Tokens(ids, lps, top_ids, top_lps, count, active, int(steps))
+
+    def release(self, pool: Pool, slots: Sequence[int]) -> Pool:
+        """Mark `slots` free (their state is left; the next `insert` overwrites all of it)."""
+        free = np.zeros(pool.slots.tokens.shape[0], bool)
+        free[list(slots)] = True
+        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
+            return self._release(pool, self._global(free, ("batch",)))
 
     def step(self, tokens: jax.Array, state: DecodeState, key: jax.Array,
              ) -> tuple[jax.Array, jax.Array, jax.Array, DecodeState]:
@@ -192,55 +370,67 @@ class Engine:
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             return self._step(self.params, tokens, state, key)
 
-    def warm_up(self, batch: int, max_steps: int | None = None) -> float:
-        """Compile (or load from the compilation cache) the programs `generate` runs for
-        `batch` slots, by running them on an empty batch: one chunk of padding and a decode
-        loop with no active slot, which stops before its first step. Returns the seconds it
-        took, so callers can report compile time apart from throughput."""
+    def warm_up(self, batch: int, max_steps: int | None = None, prefill_batch: int | None = None,
+                top_n: int = 0) -> float:
+        """Compile (or load from the compilation cache) the programs `decode_batch` (or a
+        server) runs for `batch` slots, by running them on nothing: one chunk of padding,
+        inserted as padding rows, and a decode call with no active slot, which stops before its
+        first step. Returns the seconds it took, so callers can report compile time apart from
+        throughput."""
         cfg = self.cfg
-        max_steps = cfg.max_decode_steps if max_steps is None else max_steps
+        max_steps = cfg.max_decode_steps - 1 if max_steps is None else max_steps
+        prefill_batch = prefill_batch or batch
         t0 = time.perf_counter()
-        chunk = np.full((batch, cfg.prefill_chunk_size), cfg.pad_token_id, np.int32)
-        state = self.new_state(batch)
-        logits = self._global(np.zeros((batch, cfg.vocab_size), np.float32), ("batch", None))
-        idle = self._global(np.zeros(batch, bool), ("batch",))
-        key = jax.random.key(0)  # made as `generate` makes it (outside the mesh context)
-        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
-            logits, state = self._prefill_chunk(
-                self.params, self._global(chunk, ("batch", None)),
-                self._global(np.zeros(chunk.shape, bool), ("batch", None)), state,
-                jnp.int32(0), logits)
-            jax.block_until_ready(self._loop(self.params, logits, state, idle, key,
-                                             max_steps=max_steps))
+        chunk = np.full((prefill_batch, cfg.prefill_chunk_size), cfg.pad_token_id, np.int32)
+        prefix = self.prefill_chunk(self.new_prefix(prefill_batch), chunk,
+                                    np.zeros(chunk.shape, bool), 0)
+        pool = self.new_pool(batch)
+        pool, _ = self.insert(pool, prefix, [-1] * prefill_batch, [1] * prefill_batch,
+                              np.tile(self.stop_ids(), (prefill_batch, 1)),
+                              sampling.config_sampling(cfg, prefill_batch), top_n)
+        self.generate(pool, max(max_steps, 1), top_n)
         return time.perf_counter() - t0
 
-    def generate(self, prompts: Sequence[Sequence[int]], batch: int | None = None,
-                 max_steps: int | None = None, seed: int | None = None) -> Generation:
+    def decode_batch(self, prompts: Sequence[Sequence[int]], batch: int | None = None,
+                     max_steps: int | None = None, seed: int | None = None) -> Generation:
+        """Decode `prompts` together (the offline driver): prefill them in one batch, insert
+        them into a pool of `batch` slots, generate until every one stops. Prompt i samples
+        with seed `seed + i` (default `cfg.seed`)."""
         cfg = self.cfg
         max_steps = cfg.max_decode_steps if max_steps is None else max_steps
         self.check_prompts(prompts, max_steps)
         batch = batch or len(prompts)
+        seed = cfg.seed if seed is None else seed
         t0 = time.perf_counter()
-        logits, state = self.prefill(prompts, batch)
-        logits.block_until_ready()
+        prefix = self.prefill(prompts, batch)
+        rows = range(batch)
+        slots = [i if i < len(prompts) else -1 for i in rows]
+        stop = np.tile(self.stop_ids(), (batch, 1))
+        params = sampling.config_sampling(cfg, batch, [seed + i for i in rows])
+        pool, first = self.insert(self.new_pool(batch), prefix, slots, [max_steps] * batch,
+                                  stop, params)
         t1 = time.perf_counter()
-        active = self._global(np.arange(batch) < len(prompts), ("batch",))
-        key = jax.random.key(cfg.seed if seed is None else seed)
-        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
-            out, logprobs, produced, steps, _ = self._loop(self.params, logits, state, active,
-                                                           key, max_steps=max_steps)
-            out, logprobs, produced, steps = _to_host((out, logprobs, produced, steps))
+        steps = 1
+        rest = Tokens(np.zeros((batch, 0), np.int32), np.zeros((batch, 0), np.float32),
+                      None, None, np.zeros(batch, np.int32), first.active, 0)
+        if max_steps > 1 and first.active[: len(prompts)].any():
+            pool, rest = self.generate(pool, max_steps - 1)
+            steps += rest.steps
         t2 = time.perf_counter()
         eos = None if cfg.ignore_eos else cfg.eos_token_id
         outputs, lps, reasons = [], [], []
         for i in range(len(prompts)):
-            n = int(produced[i])
-            ids = [int(t) for t in out[i, :n]]
+            n = int(rest.count[i])
+            ids = [int(first.ids[i]), *(int(t) for t in rest.ids[i, :n])]
             outputs.append(ids)
-            lps.append([float(x) for x in logprobs[i, :n]])
-            reasons.append("eos" if eos is not None and ids and ids[-1] == eos else "length")
+            lps.append([float(first.logprobs[i]), *(float(x) for x in rest.logprobs[i, :n])])
+            reasons.append("eos" if eos is not None and ids[-1] == eos else "length")
         return Generation([list(p) for p in prompts], outputs, lps, reasons, t1 - t0, t2 - t1,
-                          int(steps))
+                          steps)
+
+
+def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    return jnp.any(tokens[:, None] == stop_ids, axis=-1)
 
 
 def _to_host(tree: Any) -> Any:

@@ -1,47 +1,120 @@
-"""Token sampling with MaxText's strategies and keys.
+"""Token sampling with per-slot parameters, inside the compiled step.
 
-`decode_sampling_strategy`: greedy | weighted (temperature) | topk | nucleus | composite
-(top-k, then nucleus, then temperature). Log-probabilities of the chosen tokens are always taken
-under the unmodified model distribution.
+Every slot of a batch carries its own temperature, top-k, top-p and seed
+(`SlotSampling`), so a greedy request and a sampled one share a decode step and each gets
+its own. Temperature 0 is greedy. Otherwise the logits are divided by the temperature, cut to
+the top k (0: no cut) and then to the smallest set of top tokens whose probability reaches p
+(ties at either edge kept), as vLLM and the OpenAI API define them. A slot's n-th token is
+drawn with `fold_in(key(seed), n)`: with a fixed seed a request's tokens do not depend on the
+slot it sits in or on what else is in the batch.
+
+Log-probabilities (of the chosen token and of the top-N) are always under the unmodified model
+distribution.
+
+`sample(cfg, logits, key)` maps the offline `decode_sampling_*` keys onto the same function.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k3text.config import Config
 
 
-def _top_k_mask(logits: jax.Array, k: int) -> jax.Array:
-    kth = jax.lax.top_k(logits, k)[0][..., -1:]
-    return jnp.where(logits >= kth, logits, -jnp.inf)
+class SlotSampling(NamedTuple):
+    """Sampling parameters of B slots (device or host arrays, leading axis B)."""
+
+    temperature: jax.Array  # [B] float32; 0 = greedy
+    top_k: jax.Array  # [B] int32; 0 = the whole vocabulary
+    top_p: jax.Array  # [B] float32 in (0, 1]
+    seed: jax.Array  # [B, 2] uint32: the request seed's low and high 32 bits
 
 
-def _nucleus_mask(logits: jax.Array, p: float) -> jax.Array:
-    """Keep the smallest set of top tokens whose probability reaches p (ties at the edge kept)."""
-    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
+def seed_words(seed: int) -> tuple[int, int]:
+    """A 64-bit seed (negative ones wrap) as the (low, high) uint32 pair `SlotSampling` holds."""
+    seed %= 2**64
+    return seed & 0xFFFFFFFF, seed >> 32
+
+
+def host_sampling(rows: list[tuple[float, int, float, int]]) -> SlotSampling:
+    """`SlotSampling` host arrays from (temperature, top_k, top_p, seed) per row."""
+    return SlotSampling(
+        temperature=np.asarray([r[0] for r in rows], np.float32),
+        top_k=np.asarray([r[1] for r in rows], np.int32),
+        top_p=np.asarray([r[2] for r in rows], np.float32),
+        seed=np.asarray([seed_words(r[3]) for r in rows], np.uint32).reshape(len(rows), 2))
+
+
+def config_sampling(cfg: Config, batch: int, seeds: list[int] | None = None) -> SlotSampling:
+    """The offline keys (`decode_sampling_strategy` and its parameters) for `batch` rows; row i
+    is seeded with `seeds[i]` (default `cfg.seed + i`)."""
+    strategy = cfg.decode_sampling_strategy
+    temperature = 0.0 if strategy == "greedy" else cfg.decode_sampling_temperature
+    top_k = cfg.decode_sampling_top_k if strategy in ("topk", "composite") else 0
+    top_p = cfg.decode_sampling_nucleus_p if strategy in ("nucleus", "composite") else 1.0
+    seeds = [cfg.seed + i for i in range(batch)] if seeds is None else seeds
+    return host_sampling([(temperature, top_k, top_p, s) for s in seeds])
+
+
+def _truncated(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Logits outside each row's top-k and then its nucleus set to -inf."""
+    vocab = scaled.shape[-1]
+    ordered = -jnp.sort(-scaled, axis=-1)  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    in_top_k = jnp.arange(vocab) < k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
-    cutoff_index = jnp.sum(before < p, axis=-1, keepdims=True) - 1
-    cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
-    return jnp.where(logits >= cutoff, logits, -jnp.inf)
+    keep = jnp.sum((before < top_p[:, None]) & in_top_k, axis=-1)
+    cutoff = jnp.take_along_axis(ordered, jnp.maximum(keep, 1)[:, None] - 1, axis=-1)
+    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+
+
+def _draw(logits: jax.Array, params: SlotSampling, index: jax.Array) -> jax.Array:
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    shaped = _truncated(logits / temperature[:, None], params.top_k, params.top_p)
+
+    def one(seed: jax.Array, n: jax.Array, row: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+        return jax.random.categorical(jax.random.fold_in(key, n), row)
+
+    return jax.vmap(one)(params.seed, index, shaped)
+
+
+def sample_slots(logits: jax.Array, params: SlotSampling, index: jax.Array, top_n: int = 0,
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Sample one token per row of logits [B, vocab]; `index` [B] is each row's token number.
+
+    Returns (tokens [B] int32, their log-probabilities [B], top-N token ids [B, top_n] int32,
+    top-N log-probabilities [B, top_n]). Batches with no sampled row skip the sort."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled = params.temperature > 0
+    tokens = jax.lax.cond(
+        jnp.any(sampled),
+        lambda: jnp.where(sampled, _draw(logits, params, index).astype(jnp.int32), greedy),
+        lambda: greedy)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    if top_n:
+        top_lps, top_ids = jax.lax.top_k(logp, top_n)
+    else:
+        top_lps = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return tokens, chosen, top_ids.astype(jnp.int32), top_lps
 
 
 def sample(cfg: Config, logits: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(tokens [B] int32, log-probabilities [B] fp32 of those tokens under `logits`)."""
-    logits = logits.astype(jnp.float32)
-    strategy = cfg.decode_sampling_strategy
-    if strategy == "greedy":
-        tokens = jnp.argmax(logits, axis=-1)
-    else:
-        shaped = logits
-        if strategy in ("topk", "composite"):
-            shaped = _top_k_mask(shaped, cfg.decode_sampling_top_k)
-        if strategy in ("nucleus", "composite"):
-            shaped = _nucleus_mask(shaped, cfg.decode_sampling_nucleus_p)
-        tokens = jax.random.categorical(key, shaped / cfg.decode_sampling_temperature, axis=-1)
-    tokens = tokens.astype(jnp.int32)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None],
-                                   axis=-1)[:, 0]
-    return tokens, logprobs
+    """(tokens [B] int32, log-probabilities [B]) with the offline `decode_sampling_*` keys; the
+    key's bits seed the rows (row i: that seed + i)."""
+    batch = logits.shape[0]
+    base = config_sampling(cfg, batch, seeds=[0] * batch)
+    seed = jax.random.key_data(key).reshape(-1)[-1].astype(jnp.uint32)
+    seeds = jnp.stack([seed + jnp.arange(batch, dtype=jnp.uint32),
+                       jnp.zeros(batch, jnp.uint32)], axis=1)
+    tokens, chosen, _, _ = sample_slots(logits, base._replace(seed=seeds),
+                                        jnp.zeros(batch, jnp.int32))
+    return tokens, chosen

@@ -1,0 +1,143 @@
+"""The OpenAI-compatible server: `python -m k3text.serve CONFIG [key=value ...]` (`k3text-serve`).
+
+Listens on `server_host:server_port` at once (`GET /health` answers 503 meanwhile), loads the
+weights, compiles the serving programs (prefill of one chunk into a one-row prefix, insert into
+the pool, `serve_steps_per_call` decode steps over the `per_device_batch_size x data` slots),
+then serves `POST /v1/completions` and `POST /v1/chat/completions` through the scheduler.
+
+SIGTERM stops admitting, lets in-flight requests finish for up to `serve_shutdown_timeout`
+seconds, cancels the rest and exits 0; Ctrl-C does the same and exits 130.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":  # before jax starts, so CPU runs of multi-device configs just work
+    from k3text.config import request_host_devices
+
+    request_host_devices(sys.argv[1:])
+
+import jax  # noqa: E402
+import uvicorn  # noqa: E402
+
+from k3text import decode, sharding  # noqa: E402
+from k3text.config import Config, ConfigError  # noqa: E402
+from k3text.serving.api import ServerState, create_app  # noqa: E402
+from k3text.serving.metrics import Metrics  # noqa: E402
+from k3text.serving.protocol import Protocol  # noqa: E402
+from k3text.serving.scheduler import Scheduler  # noqa: E402
+from k3text.serving.text import ChatTemplate  # noqa: E402
+from k3text.tokenizer import load_tokenizer  # noqa: E402
+from k3text.tools import cli  # noqa: E402
+
+log = logging.getLogger("k3text.serve")
+
+
+def model_name(cfg: Config) -> str:
+    """`served_model_name`, else the checkpoint directory's name (its parent's when it is
+    called `checkpoint` or `export`), else "random"."""
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    if not cfg.load_parameters_path:
+        return "random"
+    path = Path(cfg.load_parameters_path).resolve()
+    return path.parent.name if path.name in ("checkpoint", "export") else path.name
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with SIGTERM a clean stop: admission ends at the signal, and the
+    process exits 0 instead of re-raising the signal after the graceful shutdown."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.state.scheduler is not None:
+            self.state.scheduler.stop_accepting()
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} (server_host, server_port): "
+                          f"{e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(cfg: Config) -> None:
+    if jax.process_count() > 1:
+        raise ConfigError("serving over several processes (jax.distributed) is not supported "
+                          "yet; serve from one process")
+    tokenizer = load_tokenizer(cfg.tokenizer_type, decode.tokenizer_path(cfg))
+    slots = cfg.global_batch_size
+    metrics = Metrics(slots)
+    protocol = Protocol(cfg, tokenizer, model_name(cfg), ChatTemplate(decode.tokenizer_path(cfg)))
+    state = ServerState(protocol, metrics, cfg.max_target_length)
+    sock = _listen(cfg.server_host, cfg.server_port)
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(create_app(state), log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=cfg.serve_shutdown_timeout,
+                            lifespan="off")
+    server = _Server(config, state)
+    failure: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            engine, _ = decode.build(cfg)
+            seconds = engine.warm_up(slots, cfg.serve_steps_per_call, prefill_batch=1,
+                                     top_n=cfg.serve_max_logprobs)
+            scheduler = Scheduler(cfg, engine, tokenizer, metrics)
+            scheduler.start()
+            state.scheduler = scheduler
+            log.info("ready: model %r, %d slots, compile %.1f s", protocol.model_name, slots,
+                     seconds)
+        except BaseException as e:  # reported by the main thread, which then exits
+            failure.append(e)
+            server.should_exit = True
+
+    log.info("listening on http://%s:%d (GET /health answers 503 until ready)", host, port)
+    loader = threading.Thread(target=load, name="k3text-load", daemon=True)
+    loader.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        if state.scheduler is not None:
+            state.scheduler.stop(cfg.serve_shutdown_timeout)
+    if failure:
+        raise failure[0]
+    if not server.started:
+        raise ConfigError(f"the server on {host}:{port} did not start")
+    log.info("stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    def body(cfg: Config) -> None:
+        decode.enable_compilation_cache(cfg)
+        sharding.maybe_initialize_distributed(cfg)
+        serve(cfg)
+
+    return cli.main(argv, "k3text.serve", __doc__, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

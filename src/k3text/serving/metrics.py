@@ -1,0 +1,39 @@
+"""The server's Prometheus metrics (`GET /metrics`), in a registry of their own so several
+servers in one process (tests) never share counts."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    def __init__(self, slots: int):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("k3text_requests", "Finished requests by outcome "
+                                "(stop, length, cancelled, error, rejected)", ["outcome"],
+                                registry=r)
+        self.running = Gauge("k3text_requests_running", "Requests holding a slot "
+                             "(prefilling or decoding)", registry=r)
+        self.waiting = Gauge("k3text_requests_waiting", "Requests queued for a slot",
+                             registry=r)
+        self.slots_total = Gauge("k3text_slots_total", "Decode slots in the pool", registry=r)
+        self.slots_used = Gauge("k3text_slots_used", "Decode slots held by a request",
+                                registry=r)
+        self.ttft = Histogram("k3text_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("k3text_time_per_output_token_seconds", "Mean time between a "
+                              "request's tokens after the first", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("k3text_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("k3text_prompt_tokens", "Prompt tokens prefilled",
+                                     registry=r)
+        self.generation_tokens = Counter("k3text_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.slots_total.set(slots)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,339 @@
+"""The OpenAI wire format: request bodies checked field by field into a prompt and
+`SamplingParams`, and the response, stream-chunk and error objects.
+
+Every check names its field (`RequestError.param`), so a client sees which value is wrong. What
+the server cannot do (n > 1, echo, penalties, batched prompts) is refused, not ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from typing import Any
+
+from k3text.config import Config
+from k3text.inference.engine import MAX_STOP_IDS
+from k3text.serving.scheduler import Delta, Finished, SamplingParams
+from k3text.serving.text import ChatTemplate, token_text
+from k3text.tokenizer import Tokenizer
+
+MAX_STOP_STRINGS = 8
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP `status`, and the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.kind, self.param, self.status)
+
+
+def error_body(message: str, kind: str, param: str | None = None,
+               status: int = 400) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+@dataclasses.dataclass
+class Parsed:
+    """A checked request."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    chat: bool
+
+
+# ---- field checks -----------------------------------------------------------------------------
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _int(body: dict, name: str, default: Any, lo: int | None = None,
+         hi: int | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"'{name}' must be an integer, got {_type_name(value)}", name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise RequestError(f"'{name}' must be in [{lo}, {hi if hi is not None else 'inf'}], "
+                           f"got {value}", name)
+    return value
+
+
+def _float(body: dict, name: str, default: float, lo: float, hi: float,
+           open_low: bool = False) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestError(f"'{name}' must be a finite number, got {value!r}", name)
+    if value < lo or value > hi or (open_low and value == lo):
+        side = "(" if open_low else "["
+        raise RequestError(f"'{name}' must be in {side}{lo}, {hi}], got {value}", name)
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"'{name}' must be a boolean, got {_type_name(value)}", name)
+    return value
+
+
+def _check_ids(ids: list[Any], name: str, vocab: int) -> list[int]:
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise RequestError(f"'{name}' must be a string or a list of token ids; item {i} is "
+                               f"{_type_name(t)}", name)
+        if not 0 <= t < vocab:
+            raise RequestError(f"'{name}' item {i} = {t} is outside the vocabulary "
+                               f"[0, {vocab})", name)
+    return list(ids)
+
+
+class Protocol:
+    """Request checking and response building for one served model."""
+
+    def __init__(self, cfg: Config, tokenizer: Tokenizer | None, model_name: str,
+                 chat_template: ChatTemplate):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.template = chat_template
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def _encode(self, text: str, name: str, special: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError(f"'{name}' is text but the server has no tokenizer "
+                               f"(tokenizer_type: none); send token ids", name)
+        ids = (self.tokenizer.encode(text, allow_special_tokens=True) if special
+               else self.tokenizer.encode(text))
+        if self.cfg.add_bos:
+            bos = self.tokenizer.bos_id if self.tokenizer.bos_id is not None \
+                else self.cfg.bos_token_id
+            ids = [bos, *ids]
+        return ids
+
+    def _common(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise RequestError(f"the request body must be a JSON object, got "
+                               f"{_type_name(body)}")
+        model = body.get("model")
+        if model is None:
+            raise RequestError("'model' is required", "model")
+        if not isinstance(model, str):
+            raise RequestError(f"'model' must be a string, got {_type_name(model)}", "model")
+        if model != self.model_name:
+            raise RequestError(f"model '{model}' does not exist; this server serves "
+                               f"'{self.model_name}'", "model", kind="model_not_found")
+        if _int(body, "n", 1, 1) != 1:
+            raise RequestError("only n=1 is supported; send one request per completion", "n")
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("repetition_penalty", 1.0)):
+            if _float(body, name, neutral, -2.0, 2.0) != neutral:
+                raise RequestError(f"'{name}' is not supported", name)
+        return body
+
+    def _sampling(self, body: dict, prompt_len: int, logprobs: int | None) -> SamplingParams:
+        cfg = self.cfg
+        room = cfg.max_target_length - prompt_len
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        if max_tokens is None:
+            max_tokens = max(1, min(cfg.serve_default_max_tokens, room))
+        else:
+            max_tokens = _int({name: max_tokens}, name, None, 1)
+        if prompt_len + max_tokens > cfg.max_target_length:
+            raise RequestError(f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) exceeds "
+                               f"the cache of max_target_length={cfg.max_target_length} tokens",
+                               name)
+        top_k = _int(body, "top_k", 0, -1, cfg.vocab_size)
+        seed = _int(body, "seed", None, -(2**63), 2**64 - 1)
+        stop = body.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise RequestError("'stop' must be a string or a list of strings", "stop")
+        if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+            raise RequestError(f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings",
+                               "stop")
+        stop_ids = body.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list):
+            raise RequestError("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+        stop_ids = _check_ids(stop_ids, "stop_token_ids", cfg.vocab_size)
+        if len(set(stop_ids)) > MAX_STOP_IDS - 1:
+            raise RequestError(f"'stop_token_ids' takes at most {MAX_STOP_IDS - 1} ids",
+                               "stop_token_ids")
+        if stop and self.tokenizer is None:
+            raise RequestError("'stop' strings need a tokenizer; use stop_token_ids", "stop")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+            top_k=max(top_k, 0), top_p=_float(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+            seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_ids), logprobs=logprobs)
+
+    def _check_prompt(self, ids: list[int], name: str) -> list[int]:
+        if not ids:
+            raise RequestError(f"'{name}' is empty", name)
+        limit = self.cfg.max_prefill_predict_length
+        if len(ids) > limit:
+            raise RequestError(f"'{name}' has {len(ids)} tokens, more than "
+                               f"max_prefill_predict_length={limit}", name)
+        return ids
+
+    def _stream_options(self, body: dict, stream: bool) -> bool:
+        options = body.get("stream_options")
+        if options is None:
+            return False
+        if not isinstance(options, dict):
+            raise RequestError("'stream_options' must be an object", "stream_options")
+        if not stream:
+            raise RequestError("'stream_options' needs stream=true", "stream_options")
+        return _bool(options, "include_usage", False)
+
+    def completion(self, body: Any) -> Parsed:
+        body = self._common(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            ids = self._encode(prompt, "prompt")
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, list | str)
+                                                         for p in prompt):
+            raise RequestError("batched prompts are not supported; send one request per "
+                               "prompt", "prompt")
+        elif isinstance(prompt, list):
+            ids = _check_ids(prompt, "prompt", self.cfg.vocab_size)
+        elif prompt is None:
+            raise RequestError("'prompt' is required", "prompt")
+        else:
+            raise RequestError(f"'prompt' must be a string or a list of token ids, got "
+                               f"{_type_name(prompt)}", "prompt")
+        ids = self._check_prompt(ids, "prompt")
+        if _bool(body, "echo", False):
+            raise RequestError("'echo' is not supported", "echo")
+        logprobs = _int(body, "logprobs", None, 0, self.cfg.serve_max_logprobs)
+        stream = _bool(body, "stream", False)
+        return Parsed(ids, self._sampling(body, len(ids), logprobs), stream,
+                      self._stream_options(body, stream), _bool(body, "return_token_ids", False),
+                      chat=False)
+
+    def chat(self, body: Any) -> Parsed:
+        body = self._common(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("'messages' must be a non-empty list", "messages")
+        checked = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(f"messages[{i}] must be an object with a string 'role'",
+                                   "messages")
+            if m["role"] not in ("system", "user", "assistant", "developer", "tool"):
+                raise RequestError(f"messages[{i}].role '{m['role']}' is not one of system, "
+                                   f"user, assistant, developer, tool", "messages")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: only text ones
+                if not all(isinstance(p, dict) and p.get("type") == "text"
+                           and isinstance(p.get("text"), str) for p in content):
+                    raise RequestError(f"messages[{i}].content parts must be text parts",
+                                       "messages")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise RequestError(f"messages[{i}].content must be a string", "messages")
+            checked.append({"role": m["role"], "content": content})
+        ids = self._encode(self.template.render(checked), "messages",
+                           special=self.template.special_tokens)
+        ids = self._check_prompt(ids, "messages")
+        want = _bool(body, "logprobs", False)
+        top = _int(body, "top_logprobs", None, 0, self.cfg.serve_max_logprobs)
+        if top is not None and not want:
+            raise RequestError("'top_logprobs' needs logprobs=true", "top_logprobs")
+        stream = _bool(body, "stream", False)
+        return Parsed(ids, self._sampling(body, len(ids), (top or 0) if want else None),
+                      stream, self._stream_options(body, stream),
+                      _bool(body, "return_token_ids", False), chat=True)
+
+    # ---- responses ------------------------------------------------------------------------
+
+    def new_id(self, chat: bool) -> str:
+        return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+    def _logprobs(self, deltas: list[Delta], chat: bool) -> dict[str, Any] | None:
+        if not deltas or deltas[0].top is None:
+            return None
+        text = lambda t: token_text(self.tokenizer, t)  # noqa: E731
+        ids = [t for d in deltas for t in d.ids]
+        lps = [x for d in deltas for x in d.logprobs]
+        tops = [t for d in deltas for t in d.top]
+        if chat:
+            return {"content": [
+                {"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
+                 "top_logprobs": [{"token": text(a), "logprob": b, "bytes": list(text(a).encode())}
+                                  for a, b in top]}
+                for t, lp, top in zip(ids, lps, tops, strict=True)]}
+        offsets, at = [], 0
+        for t in ids:
+            offsets.append(at)
+            at += len(text(t))
+        return {"tokens": [text(t) for t in ids], "token_logprobs": lps,
+                "top_logprobs": [{text(a): b for a, b in top} for top in tops],
+                "text_offset": offsets}
+
+    def usage(self, finished: Finished) -> dict[str, int]:
+        return {"prompt_tokens": finished.prompt_tokens,
+                "completion_tokens": finished.completion_tokens,
+                "total_tokens": finished.prompt_tokens + finished.completion_tokens}
+
+    def response(self, rid: str, parsed: Parsed, deltas: list[Delta],
+                 finished: Finished) -> dict[str, Any]:
+        text = "".join(d.text for d in deltas)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finished.reason,
+                                  "logprobs": self._logprobs(deltas, parsed.chat)}
+        if parsed.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if parsed.return_token_ids:
+            choice["token_ids"] = [t for d in deltas for t in d.ids]
+        body = {"id": rid, "object": "chat.completion" if parsed.chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": [choice],
+                "usage": self.usage(finished)}
+        if parsed.return_token_ids:
+            body["prompt_token_ids"] = parsed.prompt_ids
+        return body
+
+    def chunk(self, rid: str, parsed: Parsed, delta: Delta | None, finish: str | None,
+              first: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
+                                  "logprobs": self._logprobs([delta], parsed.chat)
+                                  if delta else None}
+        text = delta.text if delta else ""
+        if parsed.chat:
+            choice["delta"] = ({"role": "assistant", "content": text} if first
+                               else {"content": text} if delta else {})
+        else:
+            choice["text"] = text
+        if parsed.return_token_ids:
+            choice["token_ids"] = delta.ids if delta else []
+        return {"id": rid, "object": "chat.completion.chunk" if parsed.chat
+                else "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": [choice]}
+
+    def usage_chunk(self, rid: str, parsed: Parsed, finished: Finished) -> dict[str, Any]:
+        return {"id": rid, "object": "chat.completion.chunk" if parsed.chat
+                else "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": [], "usage": self.usage(finished)}

@@ -1,0 +1,389 @@
+"""The host-side scheduler: requests in, a pool of decode slots kept busy, tokens out.
+
+One thread owns the engine and the pool and loops over iterations:
+1. requests cancelled (client gone, shutdown) leave the queue or free their slot;
+2. prefill under a token budget (`serve_prefill_token_budget`, whole chunks, at least one): the
+   request being prefilled advances chunk by chunk, a new one starts when a slot is free, and a
+   finished prefix is inserted into its slot, which also samples its first token — so a long
+   prompt never stalls the running sequences for its whole length;
+3. one `generate` call of `serve_steps_per_call` steps for every slot, if any is active.
+Tokens go back to each request's `sink` (called on this thread) as `Delta`s and one `Finished`.
+A slot is freed in the iteration its request finishes, stops or is cancelled.
+
+Admission checks (a prompt within `max_prefill_predict_length`, prompt + max_tokens within
+`max_target_length`, ids inside the vocabulary) belong to the caller; the scheduler refuses
+what it cannot hold (`QueueFull` beyond `max_queued_requests`, `Unavailable` once stopping).
+A failing engine call fails the requests it touched and is logged; the loop goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from k3text.config import Config
+from k3text.inference.engine import Engine, Pool, Prefix, Tokens
+from k3text.inference.sampling import host_sampling
+from k3text.serving.metrics import Metrics
+from k3text.serving.text import TextStream
+from k3text.tokenizer import Tokenizer
+
+log = logging.getLogger("k3text.serve")
+
+
+class QueueFull(Exception):
+    """`max_queued_requests` requests are already waiting."""
+
+
+class Unavailable(Exception):
+    """The scheduler is not running (starting up or shutting down)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh random seed
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one found
+    stop_token_ids: tuple[int, ...] = ()  # besides eos (unless ignore_eos)
+    logprobs: int | None = None  # None: none; N: the chosen token's and the top N
+
+
+@dataclasses.dataclass
+class Delta:
+    """New output of a request: tokens (stop tokens left out), their log-probabilities, the top
+    N (token, log-probability) per token when asked, and the text now safe to send."""
+
+    ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None
+    text: str
+
+
+@dataclasses.dataclass
+class Finished:
+    reason: str  # stop | length | cancelled | error
+    prompt_tokens: int
+    completion_tokens: int  # every generated token, stop tokens included
+    error: str | None = None
+
+
+Event = Delta | Finished
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[Event], None]
+    id: int = dataclasses.field(default_factory=lambda: next(_ids))
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    cancelled: bool = False
+    # Owned by the scheduler thread.
+    slot: int = -1
+    generated: int = 0
+    first_token_at: float | None = None
+    text: TextStream | None = None
+    done: bool = False
+
+
+@dataclasses.dataclass
+class _Prefill:
+    request: Request
+    slot: int
+    prefix: Prefix
+    tokens: np.ndarray  # [1, whole chunks]
+    valid: np.ndarray
+    start: int = 0
+
+
+class Scheduler:
+    def __init__(self, cfg: Config, engine: Engine, tokenizer: Tokenizer | None,
+                 metrics: Metrics | None = None):
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.num_slots = cfg.global_batch_size
+        self.metrics = metrics or Metrics(self.num_slots)
+        self.top_n = cfg.serve_max_logprobs
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._accepting = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        # Scheduler-thread state.
+        self._pool: Pool | None = None
+        self._free = list(range(self.num_slots))
+        self._decoding: dict[int, Request] = {}  # slot -> request
+        self._prefill: _Prefill | None = None
+        self._to_release: list[int] = []
+
+    # ---- any thread -----------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        with self._cv:
+            if not self._accepting:
+                raise Unavailable("the server is not accepting requests (starting or stopping)")
+            if len(self._waiting) >= self.cfg.max_queued_requests:
+                self.metrics.requests.labels("rejected").inc()
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting "
+                                f"(max_queued_requests={self.cfg.max_queued_requests})")
+            self._waiting.append(request)
+            self.metrics.waiting.set(len(self._waiting))
+            self._cv.notify()
+
+    def cancel(self, request: Request) -> None:
+        """Cancel a request (its client is gone); its slot is freed within one iteration."""
+        with self._cv:
+            request.cancelled = True
+            self._cv.notify()
+
+    def start(self) -> None:
+        """Start the scheduler thread (the engine's programs should be compiled already)."""
+        self._pool = self.engine.new_pool(self.num_slots)
+        with self._cv:
+            self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="k3text-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop_accepting(self) -> None:
+        with self._cv:
+            self._accepting = False
+
+    def busy(self) -> bool:
+        with self._cv:
+            return bool(self._waiting or self._prefill or self._decoding)
+
+    def stop(self, timeout: float = 0.0) -> None:
+        """Stop admitting, let in-flight requests finish for up to `timeout` seconds, cancel
+        what is left and end the thread."""
+        self.stop_accepting()
+        deadline = time.monotonic() + timeout
+        while self.busy() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._cv:
+            for request in [*self._waiting, *self._decoding.values(),
+                            *([self._prefill.request] if self._prefill else [])]:
+                request.cancelled = True
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    # ---- the scheduler thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self._waiting or self._prefill or self._decoding):
+                    self._cv.wait(timeout=0.5)
+                if self._stopping and not (self._waiting or self._prefill or self._decoding):
+                    return
+            try:
+                self.iterate()
+            except Exception:  # never let one iteration end the server
+                log.exception("scheduler iteration failed")
+                self._fail_all("internal error in the scheduler")
+
+    def iterate(self) -> None:
+        """One scheduler iteration (cancellations, prefill under the budget, one decode call)."""
+        self._drop_cancelled()
+        self._prefill_within_budget()
+        self._release_pending()
+        if any(not r.done for r in self._decoding.values()):
+            self._decode()
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        running = len(self._decoding) + (self._prefill is not None)
+        m.running.set(running)
+        m.slots_used.set(self.num_slots - len(self._free))
+        with self._cv:
+            m.waiting.set(len(self._waiting))
+
+    def _drop_cancelled(self) -> None:
+        with self._cv:
+            gone = [r for r in self._waiting if r.cancelled]
+            for r in gone:
+                self._waiting.remove(r)
+        for r in gone:
+            self._finish(r, "cancelled")
+        if self._prefill is not None and self._prefill.request.cancelled:
+            job, self._prefill = self._prefill, None
+            self._free_slot(job.slot, on_device=False)
+            self._finish(job.request, "cancelled")
+        for r in list(self._decoding.values()):
+            if r.cancelled:
+                self._end(r, "cancelled", on_device=True)
+
+    def _next_waiting(self) -> Request | None:
+        with self._cv:
+            return self._waiting.popleft() if self._waiting else None
+
+    def _prefill_within_budget(self) -> None:
+        chunk = self.cfg.prefill_chunk_size
+        budget = self.cfg.serve_prefill_token_budget
+        spent = 0
+        while spent == 0 or spent + chunk <= budget:
+            if self._prefill is None:
+                if not self._free:
+                    return
+                request = self._next_waiting()
+                if request is None:
+                    return
+                self._prefill = self._start_prefill(request, self._free.pop(0))
+            job = self._prefill
+            try:
+                part = slice(job.start, job.start + chunk)
+                job.prefix = self.engine.prefill_chunk(job.prefix, job.tokens[:, part],
+                                                       job.valid[:, part], job.start)
+            except Exception:
+                log.exception("prefill failed for request %d", job.request.id)
+                self._prefill = None
+                self._free_slot(job.slot, on_device=False)
+                self._finish(job.request, "error", "internal error during prefill")
+                continue
+            job.start += chunk
+            spent += chunk
+            if job.start >= job.tokens.shape[1]:
+                self._prefill = None
+                self._insert(job)
+
+    def _start_prefill(self, request: Request, slot: int) -> _Prefill:
+        cfg = self.cfg
+        chunk = cfg.prefill_chunk_size
+        n = len(request.prompt_ids)
+        padded = -(-n // chunk) * chunk
+        tokens = np.full((1, padded), cfg.pad_token_id, np.int32)
+        tokens[0, :n] = request.prompt_ids
+        valid = np.zeros((1, padded), bool)
+        valid[0, :n] = True
+        request.slot = slot
+        request.text = TextStream(self.tokenizer, request.params.stop)
+        return _Prefill(request, slot, self.engine.new_prefix(1), tokens, valid)
+
+    def _insert(self, job: _Prefill) -> None:
+        r, p = job.request, job.request.params
+        seed = p.seed if p.seed is not None else secrets.randbits(64)
+        try:
+            self._pool, first = self.engine.insert(
+                self._pool, job.prefix, [job.slot], [p.max_tokens],
+                self.engine.stop_ids(p.stop_token_ids)[None],
+                host_sampling([(p.temperature, p.top_k, p.top_p, seed)]), self.top_n)
+        except Exception:
+            log.exception("insert failed for request %d", r.id)
+            self._fail_all("internal error while inserting a request", also=[r])
+            return
+        self.metrics.prompt_tokens.inc(len(r.prompt_ids))
+        self._decoding[job.slot] = r
+        self._deliver(r, first, 0)
+
+    def _decode(self) -> None:
+        try:
+            self._pool, out = self.engine.generate(self._pool, self.cfg.serve_steps_per_call,
+                                                   self.top_n)
+        except Exception:
+            log.exception("decode call failed")
+            self._fail_all("internal error during decoding")
+            return
+        for slot, r in list(self._decoding.items()):
+            if not r.done:
+                self._deliver(r, out, slot)
+
+    def _deliver(self, r: Request, out: Tokens, row: int) -> None:
+        """Send row `row` of `out` to `r`, and end `r` if it finished."""
+        n = int(out.count[row])
+        ids = np.atleast_1d(out.ids[row])[:n].tolist()
+        lps = np.atleast_1d(out.logprobs[row])[:n].tolist()
+        top_ids = np.atleast_2d(out.top_ids[row])[:n]  # insert rows hold one token
+        top_lps = np.atleast_2d(out.top_logprobs[row])[:n]
+        if not ids:
+            return
+        now = time.monotonic()
+        if r.first_token_at is None:
+            r.first_token_at = now
+            self.metrics.ttft.observe(now - r.arrival)
+        r.generated += len(ids)
+        self.metrics.generation_tokens.inc(len(ids))
+        stops = set(self.engine.stop_ids(r.params.stop_token_ids).tolist()) - {-1}
+        device_done = not bool(out.active[row])
+        hit_stop_id = device_done and ids[-1] in stops
+        keep = len(ids) - hit_stop_id
+        n_top = r.params.logprobs or 0
+        top = None
+        if r.params.logprobs is not None:
+            top = [list(zip(top_ids[i, :n_top].tolist(), top_lps[i, :n_top].tolist(),
+                            strict=True)) for i in range(keep)]
+        text = r.text.add(ids[:keep], final=device_done)
+        self._send(r, Delta(ids[:keep], lps[:keep], top, text))
+        if r.text.stopped:
+            self._end(r, "stop", on_device=not device_done)
+        elif device_done:
+            self._end(r, "stop" if hit_stop_id else "length", on_device=False)
+
+    def _end(self, r: Request, reason: str, on_device: bool) -> None:
+        del self._decoding[r.slot]
+        self._free_slot(r.slot, on_device)
+        self._finish(r, reason)
+
+    def _free_slot(self, slot: int, on_device: bool) -> None:
+        if on_device:
+            self._to_release.append(slot)
+        self._free.append(slot)
+        self._free.sort()
+
+    def _release_pending(self) -> None:
+        if self._to_release:
+            slots, self._to_release = self._to_release, []
+            try:
+                self._pool = self.engine.release(self._pool, slots)
+            except Exception:
+                log.exception("release failed")
+                self._fail_all("internal error while freeing slots")
+
+    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+        if r.done:
+            return
+        r.done = True
+        now = time.monotonic()
+        self.metrics.requests.labels(reason).inc()
+        if reason in ("stop", "length"):
+            self.metrics.e2e.observe(now - r.arrival)
+            if r.first_token_at is not None and r.generated > 1:
+                self.metrics.tpot.observe((now - r.first_token_at) / (r.generated - 1))
+        self._send(r, Finished(reason, len(r.prompt_ids), r.generated, error))
+
+    def _send(self, r: Request, event: Event) -> None:
+        try:
+            r.sink(event)
+        except Exception:  # a sink whose client is gone must not stop the loop
+            log.debug("sink of request %d failed", r.id, exc_info=True)
+
+    def _fail_all(self, message: str, also: tuple[Request, ...] | list[Request] = ()) -> None:
+        """After a failed pool call the pool's buffers are gone: fail every request holding a
+        slot and start from an empty pool."""
+        victims = [*self._decoding.values(), *also]
+        if self._prefill is not None:
+            victims.append(self._prefill.request)
+        self._decoding.clear()
+        self._prefill = None
+        self._to_release = []
+        self._free = list(range(self.num_slots))
+        for r in victims:
+            self._finish(r, "error", message)
+        try:
+            self._pool = self.engine.new_pool(self.num_slots)
+        except Exception:
+            log.exception("could not allocate a new slot pool")
