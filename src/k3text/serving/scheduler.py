@@ -199,8 +199,8 @@ class Scheduler:
     def iterate(self) -> None:
         """One scheduler iteration (cancellations, prefill under the budget, one decode call)."""
         self._drop_cancelled()
+        self._release_pending()  # before any insert: a freed slot may be refilled below
         self._prefill_within_budget()
-        self._release_pending()
         if any(not r.done for r in self._decoding.values()):
             self._decode()
         self._update_gauges()
@@ -276,6 +276,8 @@ class Scheduler:
 
     def _insert(self, job: _Prefill) -> None:
         r, p = job.request, job.request.params
+        if job.slot in self._to_release:  # a release after the insert would stop this request
+            self._release_pending()
         seed = p.seed if p.seed is not None else secrets.randbits(64)
         try:
             self._pool, first = self.engine.insert(
@@ -310,6 +312,9 @@ class Scheduler:
         top_ids = np.atleast_2d(out.top_ids[row])[:n]  # insert rows hold one token
         top_lps = np.atleast_2d(out.top_logprobs[row])[:n]
         if not ids:
+            if not out.active[row]:  # the device holds nothing for it: never leave it hanging
+                log.error("request %d in slot %d is inactive on the device", r.id, r.slot)
+                self._end(r, "error", on_device=False, error="internal error: the slot stopped")
             return
         now = time.monotonic()
         if r.first_token_at is None:
@@ -333,10 +338,10 @@ class Scheduler:
         elif device_done:
             self._end(r, "stop" if hit_stop_id else "length", on_device=False)
 
-    def _end(self, r: Request, reason: str, on_device: bool) -> None:
+    def _end(self, r: Request, reason: str, on_device: bool, error: str | None = None) -> None:
         del self._decoding[r.slot]
         self._free_slot(r.slot, on_device)
-        self._finish(r, reason)
+        self._finish(r, reason, error)
 
     def _free_slot(self, slot: int, on_device: bool) -> None:
         if on_device:
