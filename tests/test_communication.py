@@ -97,3 +97,24 @@ def test_gather_features_is_exact_and_merges_pieces_on_the_same_axes(features):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(x, np.float32))
     groups = len({ctx.axes(f) for f in features})
     assert report.count_by_kind() == {"all-gather": groups}
+
+
+@pytest.mark.parametrize("config", CPU8)
+def test_serving_programs_move_only_activations(config):
+    """The server's programs at the configured slot count move activations only: `insert`
+    gathers nothing but the prefix logits it samples from, and a `generate` step adds one
+    collective to the decode step's: the logits gathered for sampling (never the LM head)."""
+    cfg = load_config(ROOT / "configs/inference" / config)
+    ctx = mesh_context(cfg)
+    with sharding.use_mesh(ctx.mesh, ctx.rules):
+        inputs = compile_check.abstract_inputs(cfg, ctx)
+        reports = {}
+        for name, (fn, args) in {**compile_check.serving_programs(cfg, inputs, ctx),
+                                 "decode step": compile_check.programs(inputs)["decode step"]
+                                 }.items():
+            compiled, partitioned = collectives.partitioned_hlo(fn.lower(*args))
+            reports[name] = collectives.read(compiled.as_text(), partitioned_module=partitioned)
+    for name, report in reports.items():
+        assert not report.moving_parameters(), (name, report.moving_parameters()[:3])
+    assert reports["serve insert"].count <= 1
+    assert reports["serve generate"].count == reports["decode step"].count + 1

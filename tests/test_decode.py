@@ -1,12 +1,15 @@
 """Inference engine: prefill + decode against the full-sequence forward, ragged batches, the
 absorbed MLA and single-step KDA paths, and the on-device decode loop."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from k3text.inference.engine import generate_program
 from k3text.inference.state import zeros
 from k3text.layers.attention_kda import KDAAttention, KDAState
 from k3text.layers.attention_mla import MLAAttention
@@ -85,8 +88,9 @@ def test_decode_loop_is_one_compiled_program(setup, monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(Decoder, "decode", counting)
-    engine._generate = jax.jit(engine._generate_impl, static_argnames=("max_steps", "top_n"),
-                               donate_argnames=("pool",))
+    engine._generate = jax.jit(
+        functools.partial(generate_program, engine.cfg, engine.graphdef),
+        static_argnames=("max_steps", "top_n"), donate_argnames=("pool",))
     first = engine.decode_batch([[5, 6, 7]], max_steps=cfg.max_decode_steps)
     second = engine.decode_batch([[9, 8]], max_steps=cfg.max_decode_steps)
     # The step body was traced once; both calls ran all their steps inside one program.

@@ -16,11 +16,11 @@ import pytest
 from flax import nnx
 
 from k3text import decode, files, sharding, train
-from k3text.checkpoint import store
+from k3text.checkpoint import convert, store, synthetic
 from k3text.config import CONFIG_DIR, ConfigError, load_config
 from k3text.layers.initializers import Init
 from k3text.models.decoder import Decoder
-from k3text.tools import memory
+from k3text.tools import compile_check, memory, params, roofline
 
 from helpers import MODELS, ROOT
 
@@ -278,6 +278,13 @@ def test_bad_prompts_files_name_the_file_and_line(tmp_path, capsys, content, mes
     assert err[-1].startswith("error: ") and message in err[-1], err[-1]
 
 
+@pytest.mark.parametrize("item", ["prompt=", "prompt_ids= ", "prompts_file="])
+def test_an_empty_prompt_key_is_an_error_not_the_builtin_set(capsys, item):
+    assert decode.main([CPU, item, "progress=false"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "is empty on the command line" in err[-1], err
+
+
 def test_random_weights_are_said_loudly(tmp_path, capsys, caplog):
     config = tmp_path / "empty.yml"
     config.write_text("")
@@ -299,3 +306,177 @@ def test_training_refuses_a_mesh_it_would_ignore():
     with pytest.raises(ConfigError, match="runs on one device; it would ignore "
                                           "ici_tensor_parallelism=2"):
         train.train(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# The other command lines given what a new user might give them.
+# --------------------------------------------------------------------------------------------
+
+TOOLS = {"params": params.main, "memory": memory.main, "roofline": roofline.main,
+         "compile_check": compile_check.main, "train": train.main}
+
+
+def bad_config(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """A config path that is not a usable YAML file, and what its error line must say."""
+    if kind == "a directory":
+        (tmp_path / "configs").mkdir()
+        return tmp_path / "configs", "is a directory; give a YAML file"
+    if kind == "not UTF-8":
+        (tmp_path / "bad.yml").write_bytes(b"hidden_size: 64\n\xff\xfe\n")
+        return tmp_path / "bad.yml", "bad.yml: not UTF-8 text"
+    if kind == "base_config a directory":
+        (tmp_path / "configs").mkdir()
+        (tmp_path / "bad.yml").write_text("base_config: configs\n")
+        return tmp_path / "bad.yml", "configs is a directory"
+    (tmp_path / "bad.yml").write_text("base_config: [a.yml]\n")
+    return tmp_path / "bad.yml", "base_config must be a file path, got ['a.yml']"
+
+
+@pytest.mark.parametrize("kind", ["a directory", "not UTF-8", "base_config a directory",
+                                  "base_config a list"])
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_a_config_that_is_no_yaml_file_is_one_line(tmp_path, capsys, tool, kind):
+    config, message = bad_config(tmp_path, kind)
+    assert TOOLS[tool]([str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1], err
+
+
+def test_a_config_directory_in_a_fresh_process_prints_no_traceback(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "k3text.tools.params", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [f"error: config file {tmp_path} is a directory; "
+                                                f"give a YAML file"]
+
+
+@pytest.mark.parametrize("source,value", [("override", ".nan"), ("override", "-.inf"),
+                                          ("override", "1" + "0" * 400), ("file", ".inf")])
+def test_non_finite_numbers_are_refused(tmp_path, source, value):
+    config = tmp_path / "model.yml"
+    config.write_text(f"base_config: {MODELS / 'k3-tiny.yml'}\n"
+                      + (f"learning_rate: {value}\n" if source == "file" else ""))
+    overrides = [f"learning_rate={value}"] if source == "override" else []
+    with pytest.raises(ConfigError, match="'learning_rate' in .* must be a finite number"):
+        load_config(config, overrides)
+
+
+def test_a_mistyped_layer_count_is_refused_at_once():
+    with pytest.raises(ConfigError, match="'num_hidden_layers' must be at most 1000"):
+        load_config(MODELS / "kimi-k3.yml", ["num_hidden_layers=99999999999999999999",
+                                             "linear_attn_config.kda_layers=[]"])
+    with pytest.raises(ConfigError, match=r"layers \[14, 15, 16, 17, 18, 19, 20, 21, 22, 23\] "
+                                          r"and 977 more are in neither"):
+        load_config(MODELS / "k3-tiny.yml", ["num_hidden_layers=1000"])  # 13 listed
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--hbm-gib", "nan"], "--hbm-gib nan: must be a finite number"),
+    (["--hbm-gib", "inf"], "--hbm-gib inf: must be a finite number"),
+    (["--hbm-gib", "0"], "--hbm-gib 0.0: must be positive"),
+    (["--reserve-gib", "nan"], "--reserve-gib nan: must be a finite number"),
+    (["--reserve-gib", "200"], "--reserve-gib 200.0: leaves nothing of the 94.74 GiB budget"),
+    (["--hbm-gib", "8", "--reserve-gib", "8"], "--reserve-gib 8.0: leaves nothing of the "
+                                               "8.00 GiB budget"),
+])
+def test_memory_tool_refuses_budgets_that_are_no_budget(capsys, args, message):
+    assert memory.main([str(MODELS / "kimi-k3.yml"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1], err
+
+
+@pytest.mark.parametrize("main,argv", [(train.main, []), (compile_check.main, []),
+                                       (compile_check.main, ["--tpu"])])
+def test_no_config_is_a_usage_error(capsys, main, argv):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.strip().splitlines()[-1] == "error: no CONFIG file given (-h for help)"
+
+
+@pytest.mark.parametrize("command", ["convert", "make_tiny_checkpoint"])
+@pytest.mark.parametrize("target,force,message", [
+    ("file", True, "{out} is a file, not a directory; give a directory path"),
+    ("file", False, "{out} is a file, not a directory; give a directory path"),
+    ("file/sub", False, "cannot create {out}: {tmp}/file is not a directory"),
+    ("/proc/k3text-out", False, "cannot create {out} in /proc"),
+])
+def test_an_output_directory_that_cannot_be_is_one_line(small_hf, tmp_path, capsys, command,
+                                                         target, force, message):
+    (tmp_path / "file").write_text("kept")
+    out = target if target.startswith("/") else str(tmp_path / target)
+    if command == "convert":
+        rc = convert.main(["--hf-dir", str(small_hf), "--out", out, "--no-progress",
+                           *(["--force"] if force else [])])
+    else:
+        rc = synthetic.main(["--model-config", str(MODELS / "k3-tiny.yml"), "--out", out,
+                             *(["--force"] if force else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert err[0].startswith(f"error: {message.format(out=out, tmp=tmp_path)}"), err
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]  # untouched, nothing left beside it
+    assert (tmp_path / "file").read_text() == "kept"
+
+
+@pytest.fixture(scope="module")
+def small_hf(tmp_path_factory):
+    """A k3-tiny Hugging Face checkpoint (module-scoped: nothing here may change it)."""
+    path = tmp_path_factory.mktemp("hf") / "hf"
+    synthetic.write_checkpoint(load_config(MODELS / "k3-tiny.yml"), path)
+    return path
+
+
+def test_convert_refuses_a_file_for_its_source(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert convert.main(["--hf-dir", str(tmp_path / "file"), "--out", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.strip() == (f"error: {tmp_path / 'file'}: not a checkpoint "
+                                               f"directory (it is not a directory)")
+
+
+@pytest.mark.parametrize("where", ["itself", "its parent"])
+def test_convert_never_replaces_its_own_source(small_hf, tmp_path, capsys, where):
+    hf = Path(shutil.copytree(small_hf, tmp_path / "hf"))
+    before = sorted(p.name for p in hf.iterdir())
+    out = hf if where == "itself" else tmp_path
+    assert convert.main(["--hf-dir", str(hf), "--out", str(out), "--force", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --out {out} would replace the checkpoint being converted ({hf}); "
+                   f"give another directory"]
+    assert sorted(p.name for p in hf.iterdir()) == before
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'"),
+    (["--shards", "0"], "argument --shards: expected an integer >= 1, got '0'"),
+    (["--shards", "1.5"], "argument --shards: expected an integer >= 1, got '1.5'"),
+])
+def test_make_tiny_checkpoint_refuses_meaningless_counts(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exited:
+        synthetic.main(["--model-config", str(MODELS / "k3-tiny.yml"), "--out",
+                        str(tmp_path / "out"), *args])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_training_refuses_a_checkpoint_it_would_ignore(tmp_path):
+    cfg = load_config(CONFIG_DIR / "train" / "k3-small.yml",
+                      [f"load_parameters_path={tmp_path}"])
+    with pytest.raises(ConfigError, match="it would ignore load_parameters_path="):
+        train.train(cfg)
+
+
+def test_training_checks_checkpoint_dir_and_tokenizer_path_first(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    cfg = load_config(CONFIG_DIR / "train" / "k3-small.yml",
+                      [f"checkpoint_dir={tmp_path / 'file'}", "export_path="])
+    with pytest.raises(ConfigError, match="checkpoint_dir .*file is a file, not a directory"):
+        train.train(cfg)
+    assert train.main([str(CONFIG_DIR / "train" / "k3-small.yml"), f"tokenizer_path={tmp_path}",
+                       "export_path=", "checkpoint_dir="]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: tiktoken BPE file {tmp_path} is a directory; give the file")
+
+
+def test_training_zero_steps_trains_nothing(tmp_path):
+    cfg = load_config(CONFIG_DIR / "train" / "k3-small.yml",
+                      ["train_steps=0", "export_path=", "checkpoint_dir="])
+    assert train.train(cfg).losses == []

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import itertools
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -89,9 +90,15 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; give a YAML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -118,6 +125,9 @@ def _file_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dic
         raise ConfigError(f"base_config cycle: {' -> '.join(str(p) for p in (*seen, path))}")
     flat = _flatten(_read_yaml(path))
     parent = flat.pop("base_config", None)
+    for key, value in (("base_config", parent), ("model_config", flat.get("model_config"))):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{path}: {key} must be a file path, got {value!r}")
     chain = []
     if parent:
         parent_path = Path(parent)
@@ -161,7 +171,14 @@ def _coerce(key: str, value: Any, where: str) -> Any:
     if isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond float range
+            number = math.inf
+        if not math.isfinite(number):  # YAML's .nan and .inf: no key has a use for them
+            raise ConfigError(f"config key '{key}' in {where} must be a finite number, got "
+                              f"{value!r}")
+        return number
     if isinstance(default, str):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # e.g. prompt_ids=7 from the command line
@@ -441,6 +458,9 @@ def _validate(cfg: Config) -> None:
             _require(cfg[key] >= 1, f"config key '{key}' must be >= 1, got {cfg[key]}")
 
     n = cfg.num_hidden_layers
+    # Kimi models have under 100 layers; the search for a repeating layer pattern (ScanPlan)
+    # takes seconds at a thousand and runs for hours on a mistyped count.
+    _require(n <= 1000, f"config key 'num_hidden_layers' must be at most 1000, got {n}")
     lin = cfg.linear_attn_config
     full = list(lin.full_attn_layers)
     for name, ids in (("full_attn_layers", full), ("kda_layers", list(lin.kda_layers))):
@@ -454,10 +474,15 @@ def _validate(cfg: Config) -> None:
     if lin.kda_layers:
         both = sorted(set(full) & set(lin.kda_layers))
         _require(not both, f"layers {both} are in both kda_layers and full_attn_layers")
-        missing = sorted(set(range(1, n + 1)) - set(full) - set(lin.kda_layers))
+        # The first few missing, looking at no more than len(listed) + 10 layers: a set of
+        # range(1, n + 1) would exhaust memory for a mistyped num_hidden_layers.
+        listed = set(full) | set(lin.kda_layers)
+        missing = list(itertools.islice((i for i in range(1, n + 1) if i not in listed), 10))
+        more = f" and {n - len(listed) - 10:,} more" if n - len(listed) > 10 else ""
         _require(
             not missing,
-            f"layers {missing} are in neither linear_attn_config.kda_layers nor full_attn_layers",
+            f"layers {missing}{more} are in neither linear_attn_config.kda_layers nor "
+            f"full_attn_layers",
         )
 
     _require(
@@ -535,7 +560,7 @@ def _validate(cfg: Config) -> None:
     _require(0 <= cfg.server_port <= 65535, f"server_port must be in [0, 65535], got "
              f"{cfg.server_port}")
     for key in ("max_queued_requests", "serve_steps_per_call", "serve_prefill_token_budget",
-                "serve_default_max_tokens"):
+                "serve_prefill_batch", "serve_default_max_tokens"):
         _require(getattr(cfg, key) >= 1, f"{key} must be >= 1, got {getattr(cfg, key)}")
     _require(0 <= cfg.serve_max_logprobs <= min(cfg.vocab_size, 20),
              f"serve_max_logprobs must be in [0, {min(cfg.vocab_size, 20)}], got "

@@ -2,8 +2,8 @@
 
 One token's path through the stack: config -> mesh -> parameters (an Orbax checkpoint from
 tools/convert, or seeded random weights) -> prompts (text, ids, or a JSONL file batched by a
-grain pipeline) -> `Engine.decode_batch` (chunked prefill, on-device decode loop, sampling) ->
-JSONL results and a summary.
+grain pipeline) -> `Engine.decode_batch` (chunked prefill, insert into a pool of slots,
+on-device decode loop with per-slot sampling) -> JSONL results and a summary.
 
 Prompt sources, in order of precedence: `prompts_file`, `prompt_ids`, `prompt`,
 `builtin_prompts` (the shipped model's fact prompts, scored). With none given, the built-in set
@@ -306,8 +306,21 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     return records
 
 
+def refuse_empty_prompt_keys(overrides: Sequence[str]) -> None:
+    """`prompt=""` on the command line is a mistake, not "no prompt": without this check it
+    would silently decode the built-in set (an empty key means unset in a config file)."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key in ("prompt", "prompt_ids", "prompts_file") and not value.strip():
+            raise ConfigError(f"{key} is empty on the command line; give a value or leave the "
+                              f"key out")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+
     def body(cfg: Config) -> None:
+        refuse_empty_prompt_keys(argv[1:])
         enable_compilation_cache(cfg)
         sharding.maybe_initialize_distributed(cfg)
         run(cfg)

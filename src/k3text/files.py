@@ -114,11 +114,19 @@ def staged_directory(out: str | os.PathLike, replace: bool = False,
     happened, so an interrupt that lands after it can be reported as what it is.
     """
     out = Path(out)
+    if out.exists() and not out.is_dir():  # not replaced even when asked: a mistyped path
+        raise OutputError(f"{out} is a file, not a directory; give a directory path")
     if out.exists() and not replace:
         raise OutputError(f"{out} already exists; use {how_to_replace} to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.{secrets.token_hex(4)}.partial"
-    staging.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except (FileExistsError, NotADirectoryError):  # a file where a directory would go
+        blocker = next(p for p in out.parents if p.exists())
+        raise OutputError(f"cannot create {out}: {blocker} is not a directory") from None
+    except OSError as e:
+        raise OutputError(f"cannot create {out} in {out.parent} ({e.strerror})") from None
     staged = Staged()
     try:
         yield staging, staged

@@ -103,7 +103,8 @@ def serve(cfg: Config) -> None:
     def load() -> None:
         try:
             engine, _ = decode.build(cfg)
-            seconds = engine.warm_up(slots, cfg.serve_steps_per_call, prefill_batch=1,
+            seconds = engine.warm_up(slots, cfg.serve_steps_per_call,
+                                     prefill_batch=min(cfg.serve_prefill_batch, slots),
                                      top_n=cfg.serve_max_logprobs)
             scheduler = Scheduler(cfg, engine, tokenizer, metrics)
             scheduler.start()

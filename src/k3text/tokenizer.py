@@ -141,6 +141,8 @@ class TiktokenTokenizer:
         bos/eos/pad ids are those of the named tokens; pass None for a role with no token.
         """
         path = Path(path)
+        if path.is_dir():
+            raise FileNotFoundError(f"tiktoken BPE file {path} is a directory; give the file")
         if not path.is_file():
             raise FileNotFoundError(f"tiktoken BPE file not found: {path}")
         ranks = read_tiktoken_bpe(path)

@@ -120,9 +120,11 @@ def trainable_config(cfg: Config) -> Config:
 
 
 def learning_rate(cfg: Config) -> optax.Schedule:
-    """Linear warmup to `learning_rate`, then cosine decay to a tenth of it at `train_steps`."""
+    """Linear warmup to `learning_rate`, then cosine decay to a tenth of it at `train_steps`.
+    With train_steps=0 (export what there is, train nothing) no step reads it, but optax still
+    needs decay steps after the warmup."""
     return optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, cfg.warmup_steps, cfg.train_steps,
+        0.0, cfg.learning_rate, cfg.warmup_steps, max(cfg.train_steps, cfg.warmup_steps + 1),
         end_value=cfg.learning_rate / 10)
 
 
@@ -196,17 +198,28 @@ def check_export_path(cfg: Config) -> None:
     and a new one must be a directory this process can create."""
     if not cfg.export_path:
         return
-    path = Path(cfg.export_path)
+    if Path(cfg.export_path).exists() and not cfg.export_overwrite:
+        raise ConfigError(f"export_path {cfg.export_path} already exists; set "
+                          f"export_overwrite=true to replace it, or give another export_path")
+    _check_directory_target(cfg.export_path, "export_path")
+
+
+def check_checkpoint_dir(cfg: Config) -> None:
+    """Before any work: `checkpoint_dir` is a directory or one this process can create (Orbax
+    would fail only at the first save, `checkpoint_every` steps in)."""
+    if cfg.checkpoint_dir:
+        _check_directory_target(cfg.checkpoint_dir, "checkpoint_dir")
+
+
+def _check_directory_target(value: str, key: str) -> None:
+    """The directory config key `key` names exists, or this process can create it."""
+    path = Path(value)
     if path.exists():
-        if not cfg.export_overwrite:
-            raise ConfigError(f"export_path {cfg.export_path} already exists; set "
-                              f"export_overwrite=true to replace it, or give another "
-                              f"export_path")
         if not path.is_dir():
-            raise ConfigError(f"export_path {cfg.export_path} is a file, not an exported model")
+            raise ConfigError(f"{key} {value} is a file, not a directory")
         return
     try:
-        files.check_output_file(path, "export_path")
+        files.check_output_file(path, key)
     except files.OutputError as e:
         raise ConfigError(str(e)) from None
 
@@ -272,10 +285,14 @@ def train(cfg: Config) -> TrainResult:
     if spread:
         raise ConfigError(f"k3text.train runs on one device; it would ignore "
                           f"{', '.join(f'{k}={v}' for k, v in spread.items())}")
+    if cfg.load_parameters_path:
+        raise ConfigError(f"k3text.train starts from init_seed (or resumes from checkpoint_dir); "
+                          f"it would ignore load_parameters_path={cfg.load_parameters_path}")
     if cfg.train_steps and cfg.warmup_steps >= cfg.train_steps:
         raise ConfigError(f"warmup_steps ({cfg.warmup_steps}) must be below train_steps "
                           f"({cfg.train_steps}): the schedule would never leave its warmup")
     check_export_path(cfg)
+    check_checkpoint_dir(cfg)
     tokenizer = training_tokenizer(cfg)
     graphdef, params = nnx.split(Decoder(trainable_config(cfg), Init(cfg.init_seed)))
     optimizer = make_optimizer(cfg, params)

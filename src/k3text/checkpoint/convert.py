@@ -65,6 +65,9 @@ class Source:
 def open_source(hf_dir: str | Path, model_config: str | Path | None = None) -> Source:
     """Headers, layout and model config of the HF checkpoint in `hf_dir` (no tensor data)."""
     directory = Path(hf_dir)
+    if not directory.is_dir():
+        what = "is not a directory" if directory.exists() else "does not exist"
+        raise CheckpointError(f"{directory}: not a checkpoint directory (it {what})")
     config_json = _read_config_json(directory / CONFIG_JSON)
     checkpoint = SafetensorsCheckpoint(directory)
     layout = names.detect_layout(config_json, checkpoint.keys())
@@ -372,6 +375,10 @@ def _size(n: int) -> str:
 def convert(hf_dir: str | Path, out: str | Path, model_config: str | Path | None = None,
             force: bool = False, progress: bool = True) -> Plan:
     """Convert the HF checkpoint in `hf_dir` into a k3text checkpoint at `out`."""
+    source, target = Path(hf_dir).resolve(), Path(out).resolve()
+    if target == source or target in source.parents:
+        raise CheckpointError(f"--out {out} would replace the checkpoint being converted "
+                              f"({hf_dir}); give another directory")
     plan = make_plan(open_source(hf_dir, model_config))
     if plan.problems:
         more = len(plan.problems) - 1

@@ -70,13 +70,16 @@ def _error(path: Path, message: str, tensor: str | None = None) -> CheckpointErr
 
 @contextlib.contextmanager
 def _library(path: Path, tensor: str | None = None) -> Iterator[None]:
-    """Any failure of the library (its SafetensorError, OSError, even a Rust panic, which is a
-    BaseException) as one CheckpointError line; Ctrl-C and exits pass through."""
+    """Any failure of the library (its SafetensorError, OSError, even a Rust panic: pyo3's
+    PanicException, a BaseException) as one CheckpointError line; Ctrl-C, SIGTERM and exits
+    (the other BaseExceptions) pass through."""
     try:
         yield
-    except (KeyboardInterrupt, SystemExit, CheckpointError):
+    except CheckpointError:
         raise
     except BaseException as e:
+        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+            raise
         text = " ".join(str(e).split()) or type(e).__name__
         raise _error(path, f"not a readable safetensors file ({text})", tensor) from None
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import ml_dtypes
@@ -79,6 +79,19 @@ def write_checkpoint(cfg: Config, out: str | Path, layout: str | None = None, se
     return layout
 
 
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="make_tiny_checkpoint",
@@ -87,14 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layout", choices=names.LAYOUTS,
                         help="default: k3 for MXFP4 experts, else moonshot")
-    parser.add_argument("--seed", type=int, default=0, help="Init seed of the weights")
-    parser.add_argument("--shards", type=int, default=2, help="safetensors files")
+    parser.add_argument("--seed", type=_at_least(0), default=0, help="Init seed of the weights")
+    parser.add_argument("--shards", type=_at_least(1), default=2, help="safetensors files")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.model_config)
-        layout = write_checkpoint(cfg, args.out, args.layout, args.seed, max(args.shards, 1),
-                                  args.force)
+        layout = write_checkpoint(cfg, args.out, args.layout, args.seed, args.shards, args.force)
     except (CheckpointError, ConfigError, OSError) as e:  # UnknownTensorError included
         print(f"error: {e}", file=sys.stderr)
         return 1

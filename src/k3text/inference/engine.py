@@ -26,6 +26,7 @@ slots, generate to the end.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -116,13 +117,17 @@ class Engine:
         self.graphdef, self.params = nnx.split(model)
         if not model.cfg.scan_layers:  # the model's config decides how its layers run
             self.params = split_for_unrolled(self.params, split_experts=ctx.size("exp") == 1)
-        self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnames=("prefix",))
-        self._insert = jax.jit(self._insert_impl, static_argnames=("top_n",),
+        bound = functools.partial
+        self._prefill_chunk = jax.jit(bound(prefill_chunk_program, self.graphdef),
+                                      donate_argnames=("prefix",))
+        self._insert = jax.jit(insert_program, static_argnames=("top_n",),
                                donate_argnames=("pool",))
-        self._generate = jax.jit(self._generate_impl, static_argnames=("max_steps", "top_n"),
+        self._generate = jax.jit(bound(generate_program, cfg, self.graphdef),
+                                 static_argnames=("max_steps", "top_n"),
                                  donate_argnames=("pool",))
-        self._release = jax.jit(self._release_impl, donate_argnames=("pool",))
-        self._step = jax.jit(self._step_impl, donate_argnames=("state",))
+        self._release = jax.jit(release_program, donate_argnames=("pool",))
+        self._step = jax.jit(bound(_step_program, cfg, self.graphdef),
+                             donate_argnames=("state",))
         self._zeros: dict[tuple[str, int], Callable[[], Any]] = {}
         self._shapes_seen: set[tuple[str, str]] = set()
 
@@ -163,111 +168,19 @@ class Engine:
     def new_prefix(self, batch: int) -> Prefix:
         """An empty prefix of `batch` rows, to run `prefill_chunk` on."""
         logits = jax.ShapeDtypeStruct((batch, self.cfg.vocab_size), jnp.float32)
-        return Prefix(self._zero("logits", batch, logits, ("batch", None)),
+        return Prefix(self._zero("logits", batch, logits, ("batch", "vocab")),
                       self.new_state(batch))
 
     def new_pool(self, slots: int) -> Pool:
         """An empty pool of `slots` decode slots (all free)."""
-        i32 = lambda *shape: jax.ShapeDtypeStruct((slots, *shape), jnp.int32)  # noqa: E731
-        shapes = Slots(tokens=i32(), active=jax.ShapeDtypeStruct((slots,), jnp.bool_),
-                       produced=i32(), limit=i32(), stop_ids=i32(MAX_STOP_IDS),
-                       sampling=SlotSampling(jax.ShapeDtypeStruct((slots,), jnp.float32), i32(),
-                                             jax.ShapeDtypeStruct((slots,), jnp.float32),
-                                             jax.ShapeDtypeStruct((slots, 2), jnp.uint32)))
-        return Pool(self.new_state(slots), self._zero("slots", slots, shapes, SLOT_AXES))
+        shapes = pool_shapes(self.cfg, slots)
+        return Pool(self.new_state(slots), self._zero("slots", slots, shapes.slots, SLOT_AXES))
 
     def _note_shape(self, program: str, shape: str) -> None:
         """Log the first call of a program at a shape: the call that compiles it."""
         if (program, shape) not in self._shapes_seen:
             self._shapes_seen.add((program, shape))
             log.info("compiling %s for %s (once per shape)", program, shape)
-
-    # ---- compiled pieces ------------------------------------------------------------------
-
-    def _model(self, params: Any) -> Decoder:
-        return nnx.merge(self.graphdef, params)
-
-    def _prefill_chunk_impl(self, params, tokens, valid, prefix, start):
-        logits, state = self._model(params).prefill(tokens, valid, prefix.state, start)
-        ends_here = jnp.any(valid, axis=1)
-        return Prefix(jnp.where(ends_here[:, None], logits, prefix.logits), state)
-
-    def _insert_impl(self, pool, prefix, slots, limit, stop_ids, params, top_n: int):
-        rows = prefix.logits.shape[0]
-        first, lp, top_ids, top_lps = sampling.sample_slots(
-            prefix.logits, params, jnp.zeros(rows, jnp.int32), top_n)
-        active = ~(_is_stop(first, stop_ids) | (limit <= 1))
-        # Padding rows carry slot -1: moved past the end, their writes are dropped.
-        at = jnp.where(slots < 0, pool.slots.tokens.shape[0], slots)
-
-        def put(field, whole, part):
-            if field == "lengths":
-                return whole.at[at].set(part, mode="drop")
-            return whole.at[:, at].set(part.astype(whole.dtype), mode="drop")
-
-        state = DecodeState(*(put(f, w, p) for f, w, p in
-                              zip(DecodeState._fields, pool.state, prefix.state, strict=True)))
-        put_slot = lambda whole, part: whole.at[at].set(part.astype(whole.dtype), mode="drop")
-        s = pool.slots
-        new = Slots(tokens=put_slot(s.tokens, first), active=put_slot(s.active, active),
-                    produced=put_slot(s.produced, jnp.ones(rows, jnp.int32)),
-                    limit=put_slot(s.limit, limit), stop_ids=put_slot(s.stop_ids, stop_ids),
-                    sampling=SlotSampling(*(put_slot(w, p) for w, p in
-                                            zip(s.sampling, params, strict=True))))
-        return Pool(state, new), (first, lp, top_ids, top_lps, active)
-
-    def _generate_impl(self, params, pool, max_steps: int, top_n: int):
-        cfg = self.cfg
-        model = self._model(params)
-        slots = pool.slots
-        n = slots.tokens.shape[0]
-        out = jnp.full((n, max_steps), cfg.pad_token_id, jnp.int32)
-        lps = jnp.zeros((n, max_steps), jnp.float32)
-        top_ids = jnp.zeros((n, max_steps, top_n), jnp.int32)
-        top_lps = jnp.zeros((n, max_steps, top_n), jnp.float32)
-
-        def cond(carry):
-            step, active = carry[0], carry[2]
-            return (step < max_steps) & jnp.any(active)
-
-        def body(carry):
-            step, tokens, active, produced, out, lps, top_ids, top_lps, state = carry
-            logits, new_state = model.decode(tokens, state)
-            # Free slots run too (fixed shapes) but their length stays put, so their cache
-            # writes stay in range; `insert` overwrites everything a free slot holds.
-            state = new_state._replace(lengths=jnp.where(active, new_state.lengths,
-                                                         state.lengths))
-            sampled, lp, t_ids, t_lps = sampling.sample_slots(logits, slots.sampling, produced,
-                                                              top_n)
-            out = out.at[:, step].set(jnp.where(active, sampled, cfg.pad_token_id))
-            lps = lps.at[:, step].set(jnp.where(active, lp, 0.0))
-            top_ids = top_ids.at[:, step].set(t_ids)
-            top_lps = top_lps.at[:, step].set(t_lps)
-            produced = produced + active.astype(jnp.int32)
-            finished = _is_stop(sampled, slots.stop_ids) | (produced >= slots.limit)
-            tokens = jnp.where(active, sampled, tokens)
-            return (step + 1, tokens, active & ~finished, produced, out, lps, top_ids, top_lps,
-                    state)
-
-        unrolled = not cfg.scan_layers  # carry each layer's state as its own array
-        start_produced = slots.produced
-        carry = (jnp.int32(0), slots.tokens, slots.active, slots.produced, out, lps, top_ids,
-                 top_lps, per_layer_state(pool.state) if unrolled else pool.state)
-        steps, tokens, active, produced, out, lps, top_ids, top_lps, state = \
-            jax.lax.while_loop(cond, body, carry)
-        if unrolled:
-            state = stacked_state(state)
-        new_slots = slots._replace(tokens=tokens, active=active, produced=produced)
-        return Pool(state, new_slots), (out, lps, top_ids, top_lps, produced - start_produced,
-                                        active, steps)
-
-    def _release_impl(self, pool, free):
-        return pool._replace(slots=pool.slots._replace(active=pool.slots.active & ~free))
-
-    def _step_impl(self, params, tokens, state, key):
-        logits, state = self._model(params).decode(tokens, state)
-        next_tokens, logprobs = sampling.sample(self.cfg, logits, key)
-        return next_tokens, logprobs, logits, state
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -319,9 +232,11 @@ class Engine:
             prefix = self.prefill_chunk(prefix, tokens[:, part], valid[:, part], start)
         return prefix
 
-    def stop_ids(self, extra: Sequence[int] = ()) -> np.ndarray:
-        """A slot's stop-id row: eos (unless `ignore_eos`) and `extra`, -1 padded."""
-        ids = ([] if self.cfg.ignore_eos else [self.cfg.eos_token_id]) + list(extra)
+    def stop_ids(self, extra: Sequence[int] = (), ignore_eos: bool = False) -> np.ndarray:
+        """A slot's stop-id row: eos (unless `ignore_eos` here or in the config) and `extra`,
+        -1 padded."""
+        ignore = ignore_eos or self.cfg.ignore_eos
+        ids = ([] if ignore else [self.cfg.eos_token_id]) + list(extra)
         ids = list(dict.fromkeys(ids))
         if len(ids) > MAX_STOP_IDS:
             raise ConfigError(f"at most {MAX_STOP_IDS} stop token ids per request "
@@ -392,13 +307,18 @@ class Engine:
         return time.perf_counter() - t0
 
     def decode_batch(self, prompts: Sequence[Sequence[int]], batch: int | None = None,
-                     max_steps: int | None = None, seed: int | None = None) -> Generation:
+                     max_steps: int | None = None, seed: int | None = None,
+                     limits: Sequence[int] | None = None) -> Generation:
         """Decode `prompts` together (the offline driver): prefill them in one batch, insert
         them into a pool of `batch` slots, generate until every one stops. Prompt i samples
-        with seed `seed + i` (default `cfg.seed`)."""
+        with seed `seed + i` (default `cfg.seed`) and generates at most `limits[i]` tokens
+        (default `max_steps`, itself by default `max_decode_steps`)."""
         cfg = self.cfg
         max_steps = cfg.max_decode_steps if max_steps is None else max_steps
-        self.check_prompts(prompts, max_steps)
+        limits = [max_steps] * len(prompts) if limits is None else list(limits)
+        if max(limits) > max_steps:
+            raise ConfigError(f"a limit of {max(limits)} tokens is above max_steps={max_steps}")
+        self.check_prompts(prompts, max(limits))
         batch = batch or len(prompts)
         seed = cfg.seed if seed is None else seed
         t0 = time.perf_counter()
@@ -407,8 +327,8 @@ class Engine:
         slots = [i if i < len(prompts) else -1 for i in rows]
         stop = np.tile(self.stop_ids(), (batch, 1))
         params = sampling.config_sampling(cfg, batch, [seed + i for i in rows])
-        pool, first = self.insert(self.new_pool(batch), prefix, slots, [max_steps] * batch,
-                                  stop, params)
+        pool, first = self.insert(self.new_pool(batch), prefix, slots,
+                                  limits + [1] * (batch - len(prompts)), stop, params)
         t1 = time.perf_counter()
         steps = 1
         rest = Tokens(np.zeros((batch, 0), np.int32), np.zeros((batch, 0), np.float32),
@@ -427,6 +347,124 @@ class Engine:
             reasons.append("eos" if eos is not None and ids[-1] == eos else "length")
         return Generation([list(p) for p in prompts], outputs, lps, reasons, t1 - t0, t2 - t1,
                           steps)
+
+
+# ---- the programs (pure; the engine jits them with its graphdef bound) -------------------------
+
+
+def _merge(graphdef: Any, params: Any) -> Decoder:
+    return nnx.merge(graphdef, params)
+
+
+def prefill_chunk_program(graphdef: Any, params: Any, tokens: jax.Array, valid: jax.Array,
+                          prefix: Prefix, start: jax.Array) -> Prefix:
+    """One prefill chunk (tokens and valid [P, C] at absolute positions from `start`) into
+    `prefix`; rows whose prompt has no token in the chunk keep their logits."""
+    logits, state = _merge(graphdef, params).prefill(tokens, valid, prefix.state, start)
+    ends_here = jnp.any(valid, axis=1)
+    return Prefix(jnp.where(ends_here[:, None], logits, prefix.logits), state)
+
+
+def insert_program(pool: Pool, prefix: Prefix, slots: jax.Array, limit: jax.Array,
+                   stop_ids: jax.Array, params: SlotSampling, top_n: int,
+                   ) -> tuple[Pool, tuple]:
+    """Prefix row i into slot `slots[i]` (every array of the slot written; -1: dropped), with
+    its first token sampled. Returns the pool and (first, logprob, top ids, top logprobs,
+    active) per row."""
+    rows = prefix.logits.shape[0]
+    first, lp, top_ids, top_lps = sampling.sample_slots(
+        prefix.logits, params, jnp.zeros(rows, jnp.int32), top_n)
+    active = ~(_is_stop(first, stop_ids) | (limit <= 1))
+    # Padding rows carry slot -1: moved past the end, their writes are dropped.
+    at = jnp.where(slots < 0, pool.slots.tokens.shape[0], slots)
+
+    def put(field, whole, part):
+        if field == "lengths":
+            return whole.at[at].set(part, mode="drop")
+        return whole.at[:, at].set(part.astype(whole.dtype), mode="drop")
+
+    state = DecodeState(*(put(f, w, p) for f, w, p in
+                          zip(DecodeState._fields, pool.state, prefix.state, strict=True)))
+    put_slot = lambda whole, part: whole.at[at].set(part.astype(whole.dtype), mode="drop")
+    s = pool.slots
+    new = Slots(tokens=put_slot(s.tokens, first), active=put_slot(s.active, active),
+                produced=put_slot(s.produced, jnp.ones(rows, jnp.int32)),
+                limit=put_slot(s.limit, limit), stop_ids=put_slot(s.stop_ids, stop_ids),
+                sampling=SlotSampling(*(put_slot(w, p) for w, p in
+                                        zip(s.sampling, params, strict=True))))
+    return Pool(state, new), (first, lp, top_ids, top_lps, active)
+
+
+def generate_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, max_steps: int,
+                     top_n: int) -> tuple[Pool, tuple]:
+    """Up to `max_steps` decode steps for every slot, ending early when none is active.
+    Returns the pool and (tokens [S, max_steps], logprobs, top ids, top logprobs, tokens per
+    slot, active after, steps run)."""
+    model = _merge(graphdef, params)
+    slots = pool.slots
+    n = slots.tokens.shape[0]
+    out = jnp.full((n, max_steps), cfg.pad_token_id, jnp.int32)
+    lps = jnp.zeros((n, max_steps), jnp.float32)
+    top_ids = jnp.zeros((n, max_steps, top_n), jnp.int32)
+    top_lps = jnp.zeros((n, max_steps, top_n), jnp.float32)
+
+    def cond(carry):
+        step, active = carry[0], carry[2]
+        return (step < max_steps) & jnp.any(active)
+
+    def body(carry):
+        step, tokens, active, produced, out, lps, top_ids, top_lps, state = carry
+        logits, new_state = model.decode(tokens, state)
+        # Free slots run too (fixed shapes) but their length stays put, so their cache writes
+        # stay in range; `insert` overwrites everything a free slot holds.
+        state = new_state._replace(lengths=jnp.where(active, new_state.lengths, state.lengths))
+        sampled, lp, t_ids, t_lps = sampling.sample_slots(logits, slots.sampling, produced,
+                                                          top_n)
+        out = out.at[:, step].set(jnp.where(active, sampled, cfg.pad_token_id))
+        lps = lps.at[:, step].set(jnp.where(active, lp, 0.0))
+        top_ids = top_ids.at[:, step].set(t_ids)
+        top_lps = top_lps.at[:, step].set(t_lps)
+        produced = produced + active.astype(jnp.int32)
+        finished = _is_stop(sampled, slots.stop_ids) | (produced >= slots.limit)
+        tokens = jnp.where(active, sampled, tokens)
+        return (step + 1, tokens, active & ~finished, produced, out, lps, top_ids, top_lps,
+                state)
+
+    unrolled = not cfg.scan_layers  # carry each layer's state as its own array
+    carry = (jnp.int32(0), slots.tokens, slots.active, slots.produced, out, lps, top_ids,
+             top_lps, per_layer_state(pool.state) if unrolled else pool.state)
+    steps, tokens, active, produced, out, lps, top_ids, top_lps, state = \
+        jax.lax.while_loop(cond, body, carry)
+    if unrolled:
+        state = stacked_state(state)
+    new_slots = slots._replace(tokens=tokens, active=active, produced=produced)
+    return Pool(state, new_slots), (out, lps, top_ids, top_lps, produced - slots.produced,
+                                    active, steps)
+
+
+def release_program(pool: Pool, free: jax.Array) -> Pool:
+    return pool._replace(slots=pool.slots._replace(active=pool.slots.active & ~free))
+
+
+def _step_program(cfg: Config, graphdef: Any, params: Any, tokens: jax.Array,
+                  state: DecodeState, key: jax.Array) -> tuple:
+    logits, state = _merge(graphdef, params).decode(tokens, state)
+    next_tokens, logprobs = sampling.sample(cfg, logits, key)
+    return next_tokens, logprobs, logits, state
+
+
+def pool_shapes(cfg: Config, slots: int) -> Pool:
+    """ShapeDtypeStructs of a pool of `slots` slots."""
+    i32 = lambda *shape: jax.ShapeDtypeStruct((slots, *shape), jnp.int32)  # noqa: E731
+    f32 = jax.ShapeDtypeStruct((slots,), jnp.float32)
+    return Pool(state_shapes(cfg, slots),
+                Slots(tokens=i32(), active=jax.ShapeDtypeStruct((slots,), jnp.bool_),
+                      produced=i32(), limit=i32(), stop_ids=i32(MAX_STOP_IDS),
+                      sampling=SlotSampling(f32, i32(), f32,
+                                            jax.ShapeDtypeStruct((slots, 2), jnp.uint32))))
+
+
+POOL_AXES = Pool(STATE_AXES, SLOT_AXES)
 
 
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3text import sharding
 from k3text.config import Config
 
 
@@ -90,7 +91,10 @@ def sample_slots(logits: jax.Array, params: SlotSampling, index: jax.Array, top_
 
     Returns (tokens [B] int32, their log-probabilities [B], top-N token ids [B, top_n] int32,
     top-N log-probabilities [B, top_n]). Batches with no sampled row skip the sort."""
-    logits = logits.astype(jnp.float32)
+    # Whole on every device, gathered as the vocab-split LM head leaves them (one all-gather
+    # of logits, never of the head's weight): the sort, argmax, softmax and top-N below then
+    # run locally instead of as a collective per reduction.
+    logits = sharding.gather_features([logits.astype(jnp.float32)], ["vocab"])[0]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = params.temperature > 0
     tokens = jax.lax.cond(

@@ -33,6 +33,12 @@ class Metrics:
                                      registry=r)
         self.generation_tokens = Counter("k3text_generation_tokens", "Tokens generated",
                                          registry=r)
+        self.decode_steps = Counter("k3text_decode_steps", "Decode steps run over the pool",
+                                    registry=r)
+        self.decode_seconds = Counter("k3text_decode_seconds", "Time in decode calls",
+                                      registry=r)
+        self.prefill_seconds = Counter("k3text_prefill_seconds", "Time in prefill chunks and "
+                                       "inserts (first tokens)", registry=r)
         self.slots_total.set(slots)
 
     def render(self) -> bytes:

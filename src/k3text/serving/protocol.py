@@ -186,7 +186,8 @@ class Protocol:
             max_tokens=max_tokens,
             temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
             top_k=max(top_k, 0), top_p=_float(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
-            seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_ids), logprobs=logprobs)
+            seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_ids), logprobs=logprobs,
+            ignore_eos=_bool(body, "ignore_eos", False))
 
     def _check_prompt(self, ids: list[int], name: str) -> list[int]:
         if not ids:

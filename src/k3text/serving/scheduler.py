@@ -30,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from k3text.config import Config
-from k3text.inference.engine import Engine, Pool, Prefix, Tokens
+from k3text.inference.engine import MAX_STOP_IDS, Engine, Pool, Prefix, Tokens
 from k3text.inference.sampling import host_sampling
 from k3text.serving.metrics import Metrics
 from k3text.serving.text import TextStream
@@ -57,6 +57,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one found
     stop_token_ids: tuple[int, ...] = ()  # besides eos (unless ignore_eos)
     logprobs: int | None = None  # None: none; N: the chosen token's and the top N
+    ignore_eos: bool = False  # generate through eos (benchmarks)
 
 
 @dataclasses.dataclass
@@ -95,17 +96,24 @@ class Request:
     generated: int = 0
     first_token_at: float | None = None
     text: TextStream | None = None
+    stop_ids: np.ndarray | None = None  # the slot's stop-id row
     done: bool = False
 
 
 @dataclasses.dataclass
 class _Prefill:
-    request: Request
-    slot: int
+    """A group of up to `serve_prefill_batch` prompts prefilled together, one row each; a row
+    is inserted into its slot as soon as its own prompt has ended."""
+
+    rows: list[Request | None]  # None: a padding row (or one already inserted or cancelled)
     prefix: Prefix
-    tokens: np.ndarray  # [1, whole chunks]
+    tokens: np.ndarray  # [rows, whole chunks of the longest prompt]
     valid: np.ndarray
     start: int = 0
+
+    @property
+    def live(self) -> list[Request]:
+        return [r for r in self.rows if r is not None]
 
 
 class Scheduler:
@@ -117,6 +125,7 @@ class Scheduler:
         self.num_slots = cfg.global_batch_size
         self.metrics = metrics or Metrics(self.num_slots)
         self.top_n = cfg.serve_max_logprobs
+        self.prefill_batch = min(cfg.serve_prefill_batch, self.num_slots)
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._accepting = False
@@ -174,7 +183,7 @@ class Scheduler:
             time.sleep(0.02)
         with self._cv:
             for request in [*self._waiting, *self._decoding.values(),
-                            *([self._prefill.request] if self._prefill else [])]:
+                            *(self._prefill.live if self._prefill else [])]:
                 request.cancelled = True
             self._stopping = True
             self._cv.notify()
@@ -207,7 +216,7 @@ class Scheduler:
 
     def _update_gauges(self) -> None:
         m = self.metrics
-        running = len(self._decoding) + (self._prefill is not None)
+        running = len(self._decoding) + (len(self._prefill.live) if self._prefill else 0)
         m.running.set(running)
         m.slots_used.set(self.num_slots - len(self._free))
         with self._cv:
@@ -220,79 +229,105 @@ class Scheduler:
                 self._waiting.remove(r)
         for r in gone:
             self._finish(r, "cancelled")
-        if self._prefill is not None and self._prefill.request.cancelled:
-            job, self._prefill = self._prefill, None
-            self._free_slot(job.slot, on_device=False)
-            self._finish(job.request, "cancelled")
+        if self._prefill is not None:
+            for i, r in enumerate(self._prefill.rows):
+                if r is not None and r.cancelled:
+                    self._prefill.rows[i] = None  # its row runs on as padding
+                    self._free_slot(r.slot, on_device=False)
+                    self._finish(r, "cancelled")
+            if not self._prefill.live:
+                self._prefill = None
         for r in list(self._decoding.values()):
             if r.cancelled:
                 self._end(r, "cancelled", on_device=True)
 
-    def _next_waiting(self) -> Request | None:
-        with self._cv:
-            return self._waiting.popleft() if self._waiting else None
-
     def _prefill_within_budget(self) -> None:
+        """Prefill chunks until this iteration's token budget is spent (at least one call)."""
         chunk = self.cfg.prefill_chunk_size
         budget = self.cfg.serve_prefill_token_budget
         spent = 0
-        while spent == 0 or spent + chunk <= budget:
+        while True:
             if self._prefill is None:
-                if not self._free:
+                self._prefill = self._start_prefill()
+                if self._prefill is None:
                     return
-                request = self._next_waiting()
-                if request is None:
-                    return
-                self._prefill = self._start_prefill(request, self._free.pop(0))
             job = self._prefill
+            if spent and spent + chunk * len(job.live) > budget:
+                return
+            began = time.perf_counter()
             try:
                 part = slice(job.start, job.start + chunk)
                 job.prefix = self.engine.prefill_chunk(job.prefix, job.tokens[:, part],
                                                        job.valid[:, part], job.start)
             except Exception:
-                log.exception("prefill failed for request %d", job.request.id)
+                log.exception("prefill failed")
                 self._prefill = None
-                self._free_slot(job.slot, on_device=False)
-                self._finish(job.request, "error", "internal error during prefill")
+                for r in job.live:
+                    self._free_slot(r.slot, on_device=False)
+                    self._finish(r, "error", "internal error during prefill")
                 continue
+            spent += chunk * len(job.live)
             job.start += chunk
-            spent += chunk
-            if job.start >= job.tokens.shape[1]:
+            self._insert_finished_rows(job)  # waits for the chunk when a row is ready
+            self.metrics.prefill_seconds.inc(time.perf_counter() - began)
+            if not job.live:
                 self._prefill = None
-                self._insert(job)
+                return
 
-    def _start_prefill(self, request: Request, slot: int) -> _Prefill:
+    def _start_prefill(self) -> _Prefill | None:
+        """A new group from the waiting requests, one per free slot; None if there is none."""
         cfg = self.cfg
+        rows: list[Request | None] = []
+        with self._cv:
+            while self._waiting and len(rows) < min(len(self._free), self.prefill_batch):
+                rows.append(self._waiting.popleft())
+        if not rows:
+            return None
         chunk = cfg.prefill_chunk_size
-        n = len(request.prompt_ids)
-        padded = -(-n // chunk) * chunk
-        tokens = np.full((1, padded), cfg.pad_token_id, np.int32)
-        tokens[0, :n] = request.prompt_ids
-        valid = np.zeros((1, padded), bool)
-        valid[0, :n] = True
-        request.slot = slot
-        request.text = TextStream(self.tokenizer, request.params.stop)
-        return _Prefill(request, slot, self.engine.new_prefix(1), tokens, valid)
+        longest = max(len(r.prompt_ids) for r in rows)
+        batch = self.prefill_batch
+        tokens = np.full((batch, -(-longest // chunk) * chunk), cfg.pad_token_id, np.int32)
+        valid = np.zeros(tokens.shape, bool)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r.prompt_ids)] = r.prompt_ids
+            valid[i, : len(r.prompt_ids)] = True
+            r.slot = self._free.pop(0)
+            r.text = TextStream(self.tokenizer, r.params.stop)
+            r.stop_ids = self.engine.stop_ids(r.params.stop_token_ids, r.params.ignore_eos)
+        rows += [None] * (batch - len(rows))
+        return _Prefill(rows, self.engine.new_prefix(batch), tokens, valid)
 
-    def _insert(self, job: _Prefill) -> None:
-        r, p = job.request, job.request.params
-        if job.slot in self._to_release:  # a release after the insert would stop this request
-            self._release_pending()
-        seed = p.seed if p.seed is not None else secrets.randbits(64)
+    def _insert_finished_rows(self, job: _Prefill) -> None:
+        """Insert the rows whose prompts ended within the chunks run so far."""
+        ready = [i for i, r in enumerate(job.rows)
+                 if r is not None and len(r.prompt_ids) <= job.start]
+        if not ready:
+            return
+        rows = [job.rows[i] if i in ready else None for i in range(len(job.rows))]
+        if any(r.slot in self._to_release for r in job.live):
+            self._release_pending()  # a release after the insert would stop these requests
+        params = [(r.params.temperature, r.params.top_k, r.params.top_p,
+                   r.params.seed if r.params.seed is not None else secrets.randbits(64))
+                  if r else (0.0, 0, 1.0, 0) for r in rows]
+        stop = np.stack([r.stop_ids if r else np.full(MAX_STOP_IDS, -1, np.int32)
+                         for r in rows])
         try:
             self._pool, first = self.engine.insert(
-                self._pool, job.prefix, [job.slot], [p.max_tokens],
-                self.engine.stop_ids(p.stop_token_ids)[None],
-                host_sampling([(p.temperature, p.top_k, p.top_p, seed)]), self.top_n)
+                self._pool, job.prefix, [r.slot if r else -1 for r in rows],
+                [r.params.max_tokens if r else 1 for r in rows], stop, host_sampling(params),
+                self.top_n)
         except Exception:
-            log.exception("insert failed for request %d", r.id)
-            self._fail_all("internal error while inserting a request", also=[r])
+            log.exception("insert failed")
+            self._fail_all("internal error while inserting a request")
             return
-        self.metrics.prompt_tokens.inc(len(r.prompt_ids))
-        self._decoding[job.slot] = r
-        self._deliver(r, first, 0)
+        for i in ready:
+            r, job.rows[i] = job.rows[i], None
+            self.metrics.prompt_tokens.inc(len(r.prompt_ids))
+            self._decoding[r.slot] = r
+            self._deliver(r, first, i)
 
     def _decode(self) -> None:
+        began = time.perf_counter()
         try:
             self._pool, out = self.engine.generate(self._pool, self.cfg.serve_steps_per_call,
                                                    self.top_n)
@@ -300,6 +335,8 @@ class Scheduler:
             log.exception("decode call failed")
             self._fail_all("internal error during decoding")
             return
+        self.metrics.decode_seconds.inc(time.perf_counter() - began)
+        self.metrics.decode_steps.inc(out.steps)
         for slot, r in list(self._decoding.items()):
             if not r.done:
                 self._deliver(r, out, slot)
@@ -322,7 +359,7 @@ class Scheduler:
             self.metrics.ttft.observe(now - r.arrival)
         r.generated += len(ids)
         self.metrics.generation_tokens.inc(len(ids))
-        stops = set(self.engine.stop_ids(r.params.stop_token_ids).tolist()) - {-1}
+        stops = set(r.stop_ids.tolist()) - {-1}
         device_done = not bool(out.active[row])
         hit_stop_id = device_done and ids[-1] in stops
         keep = len(ids) - hit_stop_id
@@ -376,12 +413,12 @@ class Scheduler:
         except Exception:  # a sink whose client is gone must not stop the loop
             log.debug("sink of request %d failed", r.id, exc_info=True)
 
-    def _fail_all(self, message: str, also: tuple[Request, ...] | list[Request] = ()) -> None:
+    def _fail_all(self, message: str) -> None:
         """After a failed pool call the pool's buffers are gone: fail every request holding a
         slot and start from an empty pool."""
-        victims = [*self._decoding.values(), *also]
+        victims = list(self._decoding.values())
         if self._prefill is not None:
-            victims.append(self._prefill.request)
+            victims += self._prefill.live
         self._decoding.clear()
         self._prefill = None
         self._to_release = []

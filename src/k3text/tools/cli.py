@@ -26,9 +26,13 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
     INFO log lines on stderr, and a user error (bad config, checkpoint, file or value) as one
     line on stderr with exit status 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(doc.strip() + f"\n\nusage: python -m {prog} CONFIG [key=value ...]")
-        return 0 if argv else 2
+    usage = f"usage: python -m {prog} CONFIG [key=value ...]"
+    if argv and argv[0] in ("-h", "--help"):
+        print(doc.strip() + f"\n\n{usage}")
+        return 0
+    if not argv:
+        print(f"{usage}\nerror: no CONFIG file given (-h for help)", file=sys.stderr)
+        return 2
     # force: an imported library may already have given the root logger a handler of its own.
     logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr, force=True)
     logging.getLogger("k3text").setLevel(logging.INFO)

@@ -5,10 +5,14 @@ collectives read from its compiled HLO (`k3text.tools.collectives`): how many ru
 bytes per device, the ten largest, and a `!!` line for any that moves a parameter.
 
     python -m k3text.tools.compile_check configs/inference/v7x16.yml [key=value ...] [--tpu]
+                                         [--serving]
 
-`--tpu` also lowers both programs for TPU (`jax.export`, platforms=["tpu"]) from this machine,
-so nothing CPU-only hides in the production path. Weight and state bytes are also computed from
-the real shardings (shard shape x itemsize), which is what `argument` should match.
+`--serving` adds the server's programs at the configured slot count (a prefill chunk into a
+`serve_prefill_batch`-row prefix, its insert into the pool, one `generate` call of
+`serve_steps_per_call` steps). `--tpu` also lowers every program for TPU (`jax.export`,
+platforms=["tpu"]) from this machine, so nothing CPU-only hides in the production path. Weight
+and state bytes are also computed from the real shardings (shard shape x itemsize), which is
+what `argument` should match.
 """
 
 from __future__ import annotations
@@ -89,6 +93,56 @@ def programs(inputs: dict[str, Any]) -> dict[str, tuple[Any, tuple]]:
     }
 
 
+def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
+                     ) -> dict[str, tuple[Any, tuple]]:
+    """{name: (jitted function, abstract args)} for the server's programs at the configured
+    slot count: a prefill chunk into a `serve_prefill_batch`-row prefix, inserting that prefix
+    into the pool, and one `generate` call of `serve_steps_per_call` steps over every slot."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from k3text import sharding
+    from k3text.inference import engine
+    from k3text.inference.sampling import SlotSampling
+    from k3text.inference.state import STATE_AXES, state_shapes
+
+    def abstract(shapes: Any, axes: Any) -> Any:
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, sharding.tree_shardings(axes, shapes, ctx))
+
+    slots = cfg.global_batch_size
+    rows = min(cfg.serve_prefill_batch, slots)
+    pool = abstract(engine.pool_shapes(cfg, slots), engine.POOL_AXES)
+    prefix = engine.Prefix(
+        abstract(jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.float32),
+                 ("batch", "vocab")),
+        abstract(state_shapes(cfg, rows), STATE_AXES))
+    row = lambda dtype, *shape: jax.ShapeDtypeStruct(  # noqa: E731
+        (rows, *shape), dtype, sharding=ctx.sharding(("batch",) + (None,) * len(shape)))
+    chunk = cfg.prefill_chunk_size
+    params = inputs["params"]
+    graphdef = inputs["graphdef"]
+    steps, top_n = cfg.serve_steps_per_call, cfg.serve_max_logprobs
+    return {
+        "serve prefill": (jax.jit(functools.partial(engine.prefill_chunk_program, graphdef),
+                                  donate_argnums=3),
+                          (params, row(jnp.int32, chunk), row(jnp.bool_, chunk), prefix,
+                           inputs["start"])),
+        "serve insert": (jax.jit(functools.partial(engine.insert_program, top_n=top_n),
+                                 donate_argnums=0),
+                         (pool, prefix, row(jnp.int32), row(jnp.int32),
+                          row(jnp.int32, engine.MAX_STOP_IDS),
+                          SlotSampling(row(jnp.float32), row(jnp.int32), row(jnp.float32),
+                                       row(jnp.uint32, 2)))),
+        "serve generate": (jax.jit(functools.partial(engine.generate_program, cfg, graphdef,
+                                                     max_steps=steps, top_n=top_n),
+                                   donate_argnums=1),
+                           (params, pool)),
+    }
+
+
 def decode_step_collectives(cfg: Config) -> collectives.Report:
     """The communication report of one compiled decode step of `cfg` on fake CPU devices (the
     process must expose `cfg.num_devices` of them: `request_host_devices`, or
@@ -105,8 +159,10 @@ def decode_step_collectives(cfg: Config) -> collectives.Report:
     return collectives.read(compiled.as_text(), partitioned_module=partitioned)
 
 
-def check(cfg: Config, tpu: bool = False, out=sys.stdout) -> dict[str, dict[str, Any]]:
-    """Compile both programs; print and return per-device GiB figures."""
+def check(cfg: Config, tpu: bool = False, serving: bool = False,
+          out=sys.stdout) -> dict[str, dict[str, Any]]:
+    """Compile the decode step and prefill chunk (and with `serving` the server's programs);
+    print and return per-device GiB figures."""
     import jax
 
     from k3text import sharding
@@ -124,7 +180,10 @@ def check(cfg: Config, tpu: bool = False, out=sys.stdout) -> dict[str, dict[str,
         print(f"weights {weights / GIB:.2f} GiB/device, decode state {state / GIB:.2f} "
               f"GiB/device (from the shardings)", file=out)
         results = {}
-        for name, (fn, args) in programs(inputs).items():
+        compiled_programs = programs(inputs)
+        if serving:
+            compiled_programs |= serving_programs(cfg, inputs, ctx)
+        for name, (fn, args) in compiled_programs.items():
             start = time.perf_counter()
             compiled, partitioned = collectives.partitioned_hlo(fn.lower(*args))
             seconds = time.perf_counter() - start
@@ -160,14 +219,19 @@ def check(cfg: Config, tpu: bool = False, out=sys.stdout) -> dict[str, dict[str,
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    tpu, serving = "--tpu" in argv, "--serving" in argv
+    args = [a for a in argv if a not in ("--tpu", "--serving")]
+    if args and args[0] in ("-h", "--help"):
         print(__doc__.strip())
-        return 0 if argv else 2
-    tpu = "--tpu" in argv
-    args = [a for a in argv if a != "--tpu"]
+        return 0
+    if not args:
+        print("usage: python -m k3text.tools.compile_check CONFIG [key=value ...] [--tpu] "
+              "[--serving]\n"
+              "error: no CONFIG file given (-h for help)", file=sys.stderr)
+        return 2
     try:
         request_host_devices(args)
-        check(load_config(args[0], args[1:]), tpu=tpu)
+        check(load_config(args[0], args[1:]), tpu=tpu, serving=serving)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

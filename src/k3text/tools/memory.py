@@ -269,9 +269,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             if keys.get(key, 1) < 1:
                 raise ConfigError(f"{key}={keys[key]}: must be at least 1")
         for flag, value in (("--hbm-gib", args.hbm_gib), ("--reserve-gib", args.reserve_gib)):
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"{flag} {value}: must be a finite number")
             if value is not None and value < 0:
                 raise ConfigError(f"{flag} {value}: must not be negative")
-        hbm = args.hbm_gib * GiB if args.hbm_gib else HARDWARE[args.hardware].hbm_per_device
+        if args.hbm_gib == 0:
+            raise ConfigError("--hbm-gib 0.0: must be positive")
+        hbm = HARDWARE[args.hardware].hbm_per_device if args.hbm_gib is None \
+            else args.hbm_gib * GiB
+        if args.reserve_gib * GiB >= hbm:
+            raise ConfigError(f"--reserve-gib {args.reserve_gib}: leaves nothing of the "
+                              f"{gib(hbm)} budget per device")
         return render(cfg, args.hardware, hbm, args.reserve_gib * GiB,
                       keys.get("batch", cfg.global_batch_size),
                       keys.get("context", cfg.max_target_length))

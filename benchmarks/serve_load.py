@@ -1,0 +1,336 @@
+"""Load against the server, and the same requests through the offline engine.
+
+    python benchmarks/serve_load.py [CONFIG] [key=value ...] [--requests N] [--rates 2,8,32]
+                                    [--concurrency C] [--seed S] [--out DIR]
+
+1. Starts `python -m k3text.serve CONFIG` (default: the shipped model, configs/inference/cpu.yml,
+   8 slots) on a free port and waits for /health.
+2. A workload of N requests: prompt lengths mixed (half a short fact prompt, half random ids
+   of 16 to `max_prefill_predict_length` tokens), output lengths 8 to 32 tokens for 75% of
+   them and 96 to 192 for the rest (greedy, `ignore_eos`: each request generates exactly its
+   drawn length; the cache is raised to 256 positions for them).
+3. Poisson arrivals at each rate, then a fixed-concurrency mode (C clients, each sending its
+   next request when the last one ends; C = 2 x slots keeps every slot busy: saturation).
+   Every request streams; the client times its first token (TTFT) and its tokens after the
+   first (TPOT = (last - first) / (tokens - 1)); output tokens/s = all tokens / wall time.
+4. Stops the server, then in this process (the server is gone: the cores are free) runs the
+   offline engine on the same config: its steady-state decode (every slot busy for as many
+   steps as the longest request: tokens/s and the per-step time) and the same workload in
+   static batches of the slot count, in arrival order (each batch runs until its longest
+   request ends).
+
+Prints the table and the three ratios the serving issue set (saturation tokens/s vs the
+offline loop, TPOT p50 with all slots busy vs the offline per-step time, continuous vs static
+batching); writes serve_load.jsonl (line 1 the machine), serve_load.csv and serve_load.png to
+--out (default benchmarks/results/serve_load/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import benchlib
+import httpx
+
+from k3text import corpus
+from k3text.config import CONFIG_DIR, ConfigError, load_config
+from k3text.tools.tables import table
+
+FIELDS = ("mode", "rate_rps", "concurrency", "requests", "output_tokens", "seconds",
+          "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms",
+          "tpot_p90_ms", "tpot_p99_ms", "server_ms_per_step", "prefill_share")
+# A 256-position cache: room for the long answers after a 64-token prompt.
+DEFAULT_OVERRIDES = ["per_device_batch_size=8", "max_target_length=256", "progress=false"]
+
+
+# ---- the workload -----------------------------------------------------------------------------
+
+
+def workload(cfg: Any, tokenizer: Any, n: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    facts = corpus.facts(cfg.corpus_seed)
+    room = cfg.max_target_length
+    requests = []
+    for _ in range(n):
+        if rng.random() < 0.5:
+            prompt = [cfg.bos_token_id, *tokenizer.encode(rng.choice(facts).prompt)]
+        else:
+            length = rng.randint(16, cfg.max_prefill_predict_length)
+            prompt = [cfg.bos_token_id] + [rng.randrange(3, tokenizer.vocab_size)
+                                           for _ in range(length - 1)]
+        # Most answers short, a quarter long: the mix static batching handles worst.
+        out = rng.randint(8, 32) if rng.random() < 0.75 else rng.randint(96, 192)
+        out = min(out, room - len(prompt))
+        requests.append({"prompt": prompt, "max_tokens": out})
+    return requests
+
+
+# ---- the server -------------------------------------------------------------------------------
+
+
+class ServerProcess:
+    def __init__(self, config: str, overrides: list[str]):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "k3text.serve", config, "server_port=0", *overrides],
+            cwd=benchlib.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.url = self._listening()
+        while httpx.get(self.url + "/health", timeout=10).status_code != 200:
+            self._alive()
+            time.sleep(0.5)
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+            print("  server:", line.rstrip(), file=sys.stderr)
+
+    def _alive(self) -> None:
+        if self.proc.poll() is not None:
+            sys.exit(f"the server exited with {self.proc.returncode}")
+
+    def _listening(self) -> str:
+        while True:
+            self._alive()
+            for line in list(self.lines):
+                if m := re.search(r"listening on (http://\S+)", line):
+                    return m.group(1)
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(120)
+
+
+async def _one(client: httpx.AsyncClient, model: str, request: dict[str, Any],
+               ) -> dict[str, float]:
+    body = {"model": model, "prompt": request["prompt"], "max_tokens": request["max_tokens"],
+            "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    sent = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            n = len(json.loads(line[6:])["choices"][0].get("token_ids", []))
+            if n:
+                last = time.perf_counter()
+                first = first or last
+                tokens += n
+    return {"ttft": first - sent, "tpot": (last - first) / (tokens - 1) if tokens > 1 else None,
+            "tokens": tokens, "end": last}
+
+
+def _summary(mode: str, results: list[dict[str, float]], seconds: float,
+             **extra: Any) -> dict[str, Any]:
+    ttft = [r["ttft"] * 1e3 for r in results]
+    tpot = [r["tpot"] * 1e3 for r in results if r["tpot"] is not None]
+    tokens = sum(r["tokens"] for r in results)
+    row = {"mode": mode, "requests": len(results), "output_tokens": tokens, "seconds": seconds,
+           "output_tokens_per_s": tokens / seconds, **extra}
+    for name, samples in (("ttft", ttft), ("tpot", tpot)):
+        for q in (50, 90, 99):
+            row[f"{name}_p{q}_ms"] = benchlib.percentile(samples, q) if samples else None
+    return row
+
+
+async def poisson(url: str, model: str, requests: list[dict], rate: float,
+                  seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=len(requests))
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def later(delay: float, request: dict) -> dict:
+            await asyncio.sleep(delay)
+            return await _one(client, model, request)
+
+        delays, at = [], 0.0
+        for _ in requests:
+            at += rng.expovariate(rate)
+            delays.append(at)
+        results = await asyncio.gather(*(later(d, r) for d, r in zip(delays, requests,
+                                                                      strict=True)))
+    return _summary("poisson", results, time.perf_counter() - start, rate_rps=rate)
+
+
+def server_counters(url: str) -> dict[str, float]:
+    names = ("k3text_decode_steps_total", "k3text_decode_seconds_total",
+             "k3text_prefill_seconds_total")
+    values = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            values[name] = float(value)
+    return values
+
+
+async def closed_loop(url: str, model: str, requests: list[dict],
+                      concurrency: int) -> dict[str, Any]:
+    queue = list(reversed(requests))
+    results: list[dict] = []
+    before = server_counters(url)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        start = time.perf_counter()
+
+        async def worker() -> None:
+            while queue:
+                results.append(await _one(client, model, queue.pop()))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    seconds = time.perf_counter() - start
+    after = server_counters(url)
+    delta = {k: after[k] - before[k] for k in after}
+    # Where the server's time went: its own per-step time, and the share spent prefilling.
+    return _summary("fixed concurrency", results, seconds, concurrency=concurrency,
+                    server_ms_per_step=1e3 * delta["k3text_decode_seconds_total"]
+                    / delta["k3text_decode_steps_total"],
+                    prefill_share=delta["k3text_prefill_seconds_total"] / seconds)
+
+
+# ---- the offline engine -----------------------------------------------------------------------
+
+
+def offline(config: str, overrides: list[str], requests: list[dict]) -> list[dict[str, Any]]:
+    from k3text import decode
+
+    cfg = load_config(config, [*overrides, "ignore_eos=true"])
+    decode.enable_compilation_cache(cfg)
+    engine, _ = decode.build(cfg)
+    slots = cfg.global_batch_size
+    steps = max(r["max_tokens"] for r in requests)
+    engine.warm_up(slots, steps - 1)
+    prompts = [r["prompt"] for r in requests[:slots]]
+    engine.decode_batch(prompts, batch=slots, max_steps=steps)  # warm
+    gen = engine.decode_batch(prompts, batch=slots, max_steps=steps)
+    per_step = gen.decode_seconds / (gen.decode_steps - 1)
+    steady = {"mode": "offline steady state", "concurrency": slots, "requests": slots,
+              "output_tokens": gen.generated_tokens, "seconds": gen.decode_seconds,
+              "output_tokens_per_s": slots * (gen.decode_steps - 1) / gen.decode_seconds,
+              "tpot_p50_ms": per_step * 1e3}
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(requests), slots):
+        group = requests[i: i + slots]
+        out = engine.decode_batch([r["prompt"] for r in group], batch=slots, max_steps=steps,
+                                  limits=[r["max_tokens"] for r in group])
+        tokens += out.generated_tokens
+    seconds = time.perf_counter() - start
+    static = {"mode": "offline static batches", "concurrency": slots,
+              "requests": len(requests), "output_tokens": tokens, "seconds": seconds,
+              "output_tokens_per_s": tokens / seconds}
+    return [steady, static]
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+def plot(rows: list[dict[str, Any]], m: dict[str, Any], path: Path) -> None:
+    plt = benchlib.pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    poisson_rows = [r for r in rows if r["mode"] == "poisson"]
+    rates = [r["rate_rps"] for r in poisson_rows]
+    for name in ("ttft", "tpot"):
+        for q, style in ((50, "-"), (99, "--")):
+            a.plot(rates, [r[f"{name}_p{q}_ms"] for r in poisson_rows], style, marker="o",
+                   label=f"{name.upper()} p{q}")
+    a.set_xscale("log")
+    a.set_yscale("log")
+    a.set_xlabel("arrival rate (requests/s, Poisson)")
+    a.set_ylabel("ms")
+    a.legend()
+    a.set_title("latency vs load")
+    labels = [r["mode"] if r["mode"] != "poisson" else f"poisson {r['rate_rps']:g}/s"
+              for r in rows]
+    b.barh(labels, [r["output_tokens_per_s"] for r in rows])
+    b.set_xlabel("output tokens/s")
+    b.set_title("throughput")
+    fig.tight_layout()
+    benchlib.save_figure(fig, path, m)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config", nargs="?", default=str(CONFIG_DIR / "inference" / "cpu.yml"))
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--rates", default="2,8,32")
+    p.add_argument("--concurrency", type=int, default=0, help="default 2 x slots")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=benchlib.RESULTS / "serve_load")
+    args = p.parse_args()
+    default_config = p.get_default("config")
+    if "=" in args.config and not Path(args.config).exists():  # only overrides were given
+        args.overrides.insert(0, args.config)
+        args.config = default_config
+    overrides = [*DEFAULT_OVERRIDES, *args.overrides]
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    from k3text import decode
+    from k3text.serve import model_name
+    from k3text.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.tokenizer_type, decode.tokenizer_path(cfg))
+    requests = workload(cfg, tokenizer, args.requests, args.seed)
+    slots = cfg.global_batch_size
+    concurrency = args.concurrency or 2 * slots
+    model = model_name(cfg)
+    server = ServerProcess(args.config, overrides)
+    rows = []
+    try:
+        asyncio.run(closed_loop(server.url, model, requests[:slots], slots))  # warm
+        for rate in (float(r) for r in args.rates.split(",")):
+            rows.append(asyncio.run(poisson(server.url, model, requests, rate, args.seed)))
+            print(f"poisson {rate:g}/s: {rows[-1]['output_tokens_per_s']:.1f} tok/s",
+                  file=sys.stderr)
+        rows.append(asyncio.run(closed_loop(server.url, model, requests, concurrency)))
+    finally:
+        server.stop()
+    rows += offline(args.config, overrides, requests)
+    m = benchlib.machine(config=args.config, overrides=overrides, slots=slots,
+                         requests=len(requests))
+    args.out.mkdir(parents=True, exist_ok=True)
+    benchlib.write_jsonl(args.out / "serve_load.jsonl", m, rows)
+    benchlib.write_csv(args.out / "serve_load.csv", m, FIELDS, rows)
+    plot(rows, m, args.out / "serve_load.png")
+    shown = [[r["mode"], f"{r.get('rate_rps') or r.get('concurrency'):g}", str(r["requests"]),
+              f"{r['output_tokens_per_s']:.1f}",
+              *(f"{r[k]:.1f}" if r.get(k) is not None else "-"
+                for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"))]
+             for r in rows]
+    print(benchlib.machine_line(m))
+    print(table(["mode", "rate/conc", "requests", "out tok/s", "TTFT p50", "TTFT p99",
+                 "TPOT p50", "TPOT p99"], shown))
+    saturated = rows[-3]
+    steady, static = rows[-2], rows[-1]
+    print(f"saturation vs offline steady-state decode: "
+          f"{saturated['output_tokens_per_s'] / steady['output_tokens_per_s']:.2f}x "
+          f"(target >= 0.8)")
+    print(f"TPOT p50, all slots busy, vs offline per step: "
+          f"{saturated['tpot_p50_ms'] / steady['tpot_p50_ms']:.2f}x (target <= 1.5)")
+    print(f"the server at saturation: {saturated['server_ms_per_step']:.2f} ms per decode step "
+          f"({saturated['server_ms_per_step'] / steady['tpot_p50_ms']:.2f}x the offline loop's), "
+          f"{saturated['prefill_share']:.0%} of the time prefilling")
+    print(f"continuous vs static batching: "
+          f"{saturated['output_tokens_per_s'] / static['output_tokens_per_s']:.2f}x "
+          f"(target >= 1.5)")
+
+
+if __name__ == "__main__":
+    main()
