@@ -249,6 +249,8 @@ def plot(rows: list[dict[str, Any]], m: dict[str, Any], path: Path) -> None:
             a.plot(rates, [r[f"{name}_p{q}_ms"] for r in poisson_rows], style, marker="o",
                    label=f"{name.upper()} p{q}")
     a.set_xscale("log")
+    a.set_xticks(rates, [f"{r:g}" for r in rates])
+    a.minorticks_off()
     a.set_yscale("log")
     a.set_xlabel("arrival rate (requests/s, Poisson)")
     a.set_ylabel("ms")

@@ -137,6 +137,79 @@ def test_per_slot_sampling_in_one_batch():
 
 
 # --------------------------------------------------------------------------------------------
+# Text, stop strings, the chat template and request checks (no server).
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop,text,tokens", [
+    (".", " Stun", 2), ("capital", " Stun. The ", 4), (" Stun", "", 1),
+    ("l of", " Stun. The capita", 5), ("zzz", " Stun. The capital of X is", 8)])
+def test_stop_strings_cut_the_text_and_the_tokens_after_them(tokenizer, stop, text, tokens):
+    from k3text.serving.text import TextStream
+
+    ids = tokenizer.encode(" Stun. The capital of X is")
+    stream, sent, kept = TextStream(tokenizer, [stop]), "", 0
+    for i in range(0, len(ids), 3):  # three tokens per decode call
+        sent += stream.add(ids[i:i + 3], final=i + 3 >= len(ids))
+        kept += stream.kept
+        if stream.stopped:
+            break
+    assert sent == stream.text == text
+    assert kept == len(stream.ids) == tokens
+
+
+def test_a_stream_holds_back_what_may_start_a_stop_string(tokenizer):
+    from k3text.serving.text import TextStream
+
+    stream = TextStream(tokenizer, [" capital of"])
+    assert stream.add(tokenizer.encode(" The capital")) == " The"  # " capital" may be the stop
+    assert stream.add(tokenizer.encode(" is")) == " capital is"
+
+
+def test_a_jinja_chat_template_renders_like_hugging_face(tmp_path):
+    from k3text.serving.text import ChatTemplate
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "chat_template":
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{% continue %}"
+        "{% endif %}[{{ m.role }}]{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"}))
+    template = ChatTemplate(str(tmp_path / "tiktoken.model"))
+    assert template.special_tokens
+    assert template.render([{"role": "system", "content": "x"}, {"role": "user",
+                            "content": "hi"}]) == "<s>[user]hi\n[assistant]"
+
+
+@pytest.fixture(scope="module")
+def protocol(tokenizer):
+    from k3text.serving.protocol import Protocol
+    from k3text.serving.text import ChatTemplate
+
+    return Protocol(load_config(CPU), tokenizer, "k3-small", ChatTemplate(None))
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"temperature": 10**400}, "temperature"),
+    ({"stop": ["x" * 1001]}, "stop"),
+    ({"seed": 2**64}, "seed"),
+    ({"top_p": float("nan")}, "top_p"),
+])
+def test_odd_values_are_400s_naming_the_field(protocol, body, field):
+    from k3text.serving.protocol import RequestError
+
+    with pytest.raises(RequestError) as e:
+        protocol.completion({"model": "k3-small", "prompt": "x", **body})
+    assert e.value.param == field and e.value.status == 400
+
+
+def test_a_tiny_temperature_is_greedy():
+    logits = jnp.asarray([[0.0, 3.0, 2.5, -1.0]], jnp.float32)
+    params = sampling.host_sampling([(1e-40, 0, 1.0, 7)])
+    tokens, chosen, _, _ = sampling.sample_slots(logits, params, jnp.zeros(1, jnp.int32))
+    assert int(tokens[0]) == 1 and np.isfinite(chosen).all()
+
+
+# --------------------------------------------------------------------------------------------
 # The server on the shipped model.
 # --------------------------------------------------------------------------------------------
 

@@ -1,12 +1,12 @@
 """Token sampling with per-slot parameters, inside the compiled step.
 
-Every slot of a batch carries its own temperature, top-k, top-p and seed
-(`SlotSampling`), so a greedy request and a sampled one share a decode step and each gets
-its own. Temperature 0 is greedy. Otherwise the logits are divided by the temperature, cut to
-the top k (0: no cut) and then to the smallest set of top tokens whose probability reaches p
-(ties at either edge kept), as vLLM and the OpenAI API define them. A slot's n-th token is
-drawn with `fold_in(key(seed), n)`: with a fixed seed a request's tokens do not depend on the
-slot it sits in or on what else is in the batch.
+Every slot of a batch carries its own temperature, top-k, top-p and seed (`SlotSampling`), so
+a greedy request and a sampled one share a decode step and each gets its own. Temperature 0
+(below 1e-5) is greedy. Otherwise the logits are divided by the temperature, cut to the top k
+(0: no cut) and then to the smallest set of top tokens whose probability reaches p (ties at
+either edge kept), as vLLM and the OpenAI API define them. A slot's n-th token is drawn with
+`fold_in(key(seed), n)`: with a fixed seed a request's tokens do not depend on the slot it sits
+in or on what else is in the batch.
 
 Log-probabilities (of the chosen token and of the top-N) are always under the unmodified model
 distribution.
@@ -96,7 +96,8 @@ def sample_slots(logits: jax.Array, params: SlotSampling, index: jax.Array, top_
     # run locally instead of as a collective per reduction.
     logits = sharding.gather_features([logits.astype(jnp.float32)], ["vocab"])[0]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampled = params.temperature > 0
+    # Below this a temperature only overflows the scaled logits: greedy, as vLLM treats it.
+    sampled = params.temperature >= 1e-5
     tokens = jax.lax.cond(
         jnp.any(sampled),
         lambda: jnp.where(sampled, _draw(logits, params, index).astype(jnp.int32), greedy),

@@ -66,6 +66,8 @@ def create_app(state: ServerState) -> FastAPI:
         if state.scheduler is None:
             return _error("the server is starting (loading weights, compiling)", 503,
                           "unavailable")
+        if not state.scheduler.healthy():
+            return _error("the scheduler has stopped", 503, "unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -85,7 +87,7 @@ def create_app(state: ServerState) -> FastAPI:
                           "unavailable")
         try:
             body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, huge ints, deep nests
             return _error(f"the request body is not valid JSON ({e})", 400,
                           "invalid_request_error")
         try:

@@ -20,6 +20,7 @@ from k3text.serving.text import ChatTemplate, token_text
 from k3text.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 1000  # each stop string is searched for in the text after every decode call
 
 
 class RequestError(Exception):
@@ -76,12 +77,24 @@ def _float(body: dict, name: str, default: float, lo: float, hi: float,
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RequestError(f"'{name}' must be a finite number, got {value!r}", name)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value):
+        raise RequestError(f"'{name}' must be a finite number, got {_short(value)}", name)
     if value < lo or value > hi or (open_low and value == lo):
         side = "(" if open_low else "["
         raise RequestError(f"'{name}' must be in {side}{lo}, {hi}], got {value}", name)
     return float(value)
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond float range
+        return False
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _bool(body: dict, name: str, default: bool) -> bool:
@@ -120,9 +133,12 @@ class Protocol:
         if self.tokenizer is None:
             raise RequestError(f"'{name}' is text but the server has no tokenizer "
                                f"(tokenizer_type: none); send token ids", name)
-        ids = (self.tokenizer.encode(text, allow_special_tokens=True) if special
-               else self.tokenizer.encode(text))
-        if self.cfg.add_bos:
+        try:
+            ids = (self.tokenizer.encode(text, allow_special_tokens=True) if special
+                   else self.tokenizer.encode(text))
+        except UnicodeError as e:  # a lone surrogate (JSON "\ud800") is not encodable text
+            raise RequestError(f"'{name}' is not valid Unicode text ({e.reason})", name) from None
+        if self.cfg.add_bos and not special:  # a chat template writes its own bos
             bos = self.tokenizer.bos_id if self.tokenizer.bos_id is not None \
                 else self.cfg.bos_token_id
             ids = [bos, *ids]
@@ -170,9 +186,9 @@ class Protocol:
             stop = [stop]
         elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
             raise RequestError("'stop' must be a string or a list of strings", "stop")
-        if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-            raise RequestError(f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings",
-                               "stop")
+        if len(stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+            raise RequestError(f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings of "
+                               f"at most {MAX_STOP_CHARS} characters", "stop")
         stop_ids = body.get("stop_token_ids") or []
         if not isinstance(stop_ids, list):
             raise RequestError("'stop_token_ids' must be a list of token ids", "stop_token_ids")
@@ -256,8 +272,12 @@ class Protocol:
             if not isinstance(content, str):
                 raise RequestError(f"messages[{i}].content must be a string", "messages")
             checked.append({"role": m["role"], "content": content})
-        ids = self._encode(self.template.render(checked), "messages",
-                           special=self.template.special_tokens)
+        try:
+            rendered = self.template.render(checked)
+        except Exception as e:  # the template's own checks (raise_exception) and its errors
+            raise RequestError(f"the chat template cannot render these messages: {e}",
+                               "messages") from None
+        ids = self._encode(rendered, "messages", special=self.template.special_tokens)
         ids = self._check_prompt(ids, "messages")
         want = _bool(body, "logprobs", False)
         top = _int(body, "top_logprobs", None, 0, self.cfg.serve_max_logprobs)

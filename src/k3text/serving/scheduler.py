@@ -130,6 +130,7 @@ class Scheduler:
         self._waiting: collections.deque[Request] = collections.deque()
         self._accepting = False
         self._stopping = False
+        self._in_flight = 0  # submitted and not yet finished (under _cv)
         self._thread: threading.Thread | None = None
         # Scheduler-thread state.
         self._pool: Pool | None = None
@@ -149,6 +150,7 @@ class Scheduler:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting "
                                 f"(max_queued_requests={self.cfg.max_queued_requests})")
             self._waiting.append(request)
+            self._in_flight += 1
             self.metrics.waiting.set(len(self._waiting))
             self._cv.notify()
 
@@ -171,20 +173,22 @@ class Scheduler:
             self._accepting = False
 
     def busy(self) -> bool:
+        """Whether any submitted request has not finished yet."""
         with self._cv:
-            return bool(self._waiting or self._prefill or self._decoding)
+            return self._in_flight > 0
+
+    def healthy(self) -> bool:
+        """The scheduler thread runs and holds a pool."""
+        return self._thread is not None and self._thread.is_alive() and self._pool is not None
 
     def stop(self, timeout: float = 0.0) -> None:
-        """Stop admitting, let in-flight requests finish for up to `timeout` seconds, cancel
-        what is left and end the thread."""
+        """Stop admitting, let in-flight requests finish for up to `timeout` seconds, then have
+        the scheduler thread cancel what is left and end."""
         self.stop_accepting()
         deadline = time.monotonic() + timeout
         while self.busy() and time.monotonic() < deadline:
             time.sleep(0.02)
         with self._cv:
-            for request in [*self._waiting, *self._decoding.values(),
-                            *(self._prefill.live if self._prefill else [])]:
-                request.cancelled = True
             self._stopping = True
             self._cv.notify()
         if self._thread is not None:
@@ -197,13 +201,20 @@ class Scheduler:
             with self._cv:
                 while not (self._stopping or self._waiting or self._prefill or self._decoding):
                     self._cv.wait(timeout=0.5)
-                if self._stopping and not (self._waiting or self._prefill or self._decoding):
-                    return
+                if self._stopping:
+                    if not (self._waiting or self._prefill or self._decoding):
+                        return
+                    self._cancel_everything()
             try:
                 self.iterate()
             except Exception:  # never let one iteration end the server
                 log.exception("scheduler iteration failed")
                 self._fail_all("internal error in the scheduler")
+
+    def _cancel_everything(self) -> None:  # under _cv, on the scheduler thread
+        for r in [*self._waiting, *self._decoding.values(),
+                  *(self._prefill.live if self._prefill else [])]:
+            r.cancelled = True
 
     def iterate(self) -> None:
         """One scheduler iteration (cancellations, prefill under the budget, one decode call)."""
@@ -277,6 +288,10 @@ class Scheduler:
     def _start_prefill(self) -> _Prefill | None:
         """A new group from the waiting requests, one per free slot; None if there is none."""
         cfg = self.cfg
+        with self._cv:
+            if not (self._waiting and self._free):
+                return None
+        prefix = self.engine.new_prefix(self.prefill_batch)  # before any request leaves the queue
         rows: list[Request | None] = []
         with self._cv:
             while self._waiting and len(rows) < min(len(self._free), self.prefill_batch):
@@ -295,7 +310,7 @@ class Scheduler:
             r.text = TextStream(self.tokenizer, r.params.stop)
             r.stop_ids = self.engine.stop_ids(r.params.stop_token_ids, r.params.ignore_eos)
         rows += [None] * (batch - len(rows))
-        return _Prefill(rows, self.engine.new_prefix(batch), tokens, valid)
+        return _Prefill(rows, prefix, tokens, valid)
 
     def _insert_finished_rows(self, job: _Prefill) -> None:
         """Insert the rows whose prompts ended within the chunks run so far."""
@@ -306,6 +321,8 @@ class Scheduler:
         rows = [job.rows[i] if i in ready else None for i in range(len(job.rows))]
         if any(r.slot in self._to_release for r in job.live):
             self._release_pending()  # a release after the insert would stop these requests
+            if self._prefill is not job:  # the release failed and failed every request
+                return
         params = [(r.params.temperature, r.params.top_k, r.params.top_p,
                    r.params.seed if r.params.seed is not None else secrets.randbits(64))
                   if r else (0.0, 0, 1.0, 0) for r in rows]
@@ -369,7 +386,9 @@ class Scheduler:
             top = [list(zip(top_ids[i, :n_top].tolist(), top_lps[i, :n_top].tolist(),
                             strict=True)) for i in range(keep)]
         text = r.text.add(ids[:keep], final=device_done)
-        self._send(r, Delta(ids[:keep], lps[:keep], top, text))
+        keep = r.text.kept  # fewer when a stop string ended the text early
+        self._send(r, Delta(ids[:keep], lps[:keep], top[:keep] if top is not None else None,
+                            text))
         if r.text.stopped:
             self._end(r, "stop", on_device=not device_done)
         elif device_done:
@@ -381,6 +400,9 @@ class Scheduler:
         self._finish(r, reason, error)
 
     def _free_slot(self, slot: int, on_device: bool) -> None:
+        if slot in self._free:  # freed twice would hand it to two requests
+            log.error("slot %d freed twice", slot)
+            return
         if on_device:
             self._to_release.append(slot)
         self._free.append(slot)
@@ -399,6 +421,8 @@ class Scheduler:
         if r.done:
             return
         r.done = True
+        with self._cv:
+            self._in_flight -= 1
         now = time.monotonic()
         self.metrics.requests.labels(reason).inc()
         if reason in ("stop", "length"):
@@ -425,7 +449,8 @@ class Scheduler:
         self._free = list(range(self.num_slots))
         for r in victims:
             self._finish(r, "error", message)
+        self._pool = None  # its buffers were donated to the call that failed
         try:
             self._pool = self.engine.new_pool(self.num_slots)
         except Exception:
-            log.exception("could not allocate a new slot pool")
+            log.exception("could not allocate a new slot pool; /health now answers 503")

@@ -29,6 +29,7 @@ class TextStream:
         self.sent = 0  # characters of the text already released
         self.text = ""
         self.stopped = False  # a stop string was found; `text` ends before it
+        self.kept = 0  # how many tokens of the last `add` were kept
 
     def _decode(self) -> str:
         if self.tokenizer is None:
@@ -37,14 +38,24 @@ class TextStream:
         return self.tokenizer.decode(known)
 
     def add(self, ids: Sequence[int], final: bool = False) -> str:
-        """Add tokens; returns the text that is now safe to send. `final` releases the rest."""
+        """Add tokens; returns the text that is now safe to send. `final` releases the rest.
+        When a stop string turns up, only the tokens up to the one completing it are kept:
+        `kept` says how many of `ids` that is (all of them otherwise)."""
+        self.kept = 0
         if self.stopped:
             return ""
+        before = len(self.ids)
         self.ids += ids
+        self.kept = len(ids)
         text = self._decode()
-        hits = [at for stop in self.stop if (at := text.find(stop)) >= 0]
-        if hits:
-            text, self.stopped = text[: min(hits)], True
+        if self._first_stop(text) is not None:
+            full = self.ids
+            for k in range(1, len(ids) + 1):  # the token that completes the stop string
+                self.ids = full[: before + k]
+                text = self._decode()
+                if (at := self._first_stop(text)) is not None:
+                    break
+            text, self.stopped, self.kept = text[:at], True, k
         self.text = text
         if self.stopped or final:
             ready = len(text)
@@ -54,6 +65,10 @@ class TextStream:
         piece = text[self.sent:ready]
         self.sent = ready
         return piece
+
+    def _first_stop(self, text: str) -> int | None:
+        hits = [at for stop in self.stop if (at := text.find(stop)) >= 0]
+        return min(hits) if hits else None
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -81,6 +96,10 @@ def token_text(tokenizer: Tokenizer | None, token: int) -> str:
 # Chat template.
 # --------------------------------------------------------------------------------------------
 
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
 SIMPLE_TEMPLATE = "{role}: {content}\n"  # each message, then "assistant:" opens the reply
 
 
@@ -91,14 +110,21 @@ class ChatTemplate:
 
     def __init__(self, tokenizer_file: str | None):
         self.jinja = None
+        self.special: dict[str, str] = {}
         config = Path(tokenizer_file).parent / "tokenizer_config.json" if tokenizer_file else None
         if config is not None and config.is_file():
             source = json.loads(config.read_text()).get("chat_template")
             if isinstance(source, str):
-                import jinja2
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-                env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+                # As Hugging Face renders templates: sandboxed, loop controls, trimmed blocks,
+                # and the names templates expect besides the messages.
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                    extensions=["jinja2.ext.loopcontrols"])
+                env.globals["raise_exception"] = _raise
                 self.jinja = env.from_string(source)
+                self.special = {k: v for k, v in json.loads(config.read_text()).items()
+                                if k in ("bos_token", "eos_token") and isinstance(v, str)}
 
     @property
     def special_tokens(self) -> bool:
@@ -107,6 +133,7 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]]) -> str:
         if self.jinja is not None:
-            return self.jinja.render(messages=messages, add_generation_prompt=True)
+            return self.jinja.render(messages=messages, add_generation_prompt=True,
+                                     tools=None, **self.special)
         return "".join(SIMPLE_TEMPLATE.format(role=m["role"], content=m["content"])
                        for m in messages) + "assistant:"
