@@ -221,7 +221,7 @@ class Scheduler:
         self._drop_cancelled()
         self._release_pending()  # before any insert: a freed slot may be refilled below
         self._prefill_within_budget()
-        if any(not r.done for r in self._decoding.values()):
+        if self._decoding:
             self._decode()
         self._update_gauges()
 
@@ -374,7 +374,6 @@ class Scheduler:
         if r.first_token_at is None:
             r.first_token_at = now
             self.metrics.ttft.observe(now - r.arrival)
-        r.generated += len(ids)
         self.metrics.generation_tokens.inc(len(ids))
         stops = set(r.stop_ids.tolist()) - {-1}
         device_done = not bool(out.active[row])
@@ -387,6 +386,7 @@ class Scheduler:
                             strict=True)) for i in range(keep)]
         text = r.text.add(ids[:keep], final=device_done)
         keep = r.text.kept  # fewer when a stop string ended the text early
+        r.generated += keep + (hit_stop_id and not r.text.stopped)  # a stop id counts as usage
         self._send(r, Delta(ids[:keep], lps[:keep], top[:keep] if top is not None else None,
                             text))
         if r.text.stopped:
