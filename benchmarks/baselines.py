@@ -19,11 +19,15 @@ Sections (all by default):
   Each row also gives the rate each side reads weights at (the parameter bytes a step must
   read: hit experts only, one embedding row per token, times steps per second) next to the
   rate a large float32 matrix-vector product reaches on this machine.
-- kda: KDA prefill forms on the same inputs: `kda_chunked` (jit) vs `kda_recurrent` (jit, the
-  per-token scan) vs fla-core's `naive_chunk_kda` (torch) vs tokamax's `kimi_delta_attention`
-  `xla` (its token-by-token recurrence) and `xla_chunked` (jit; K3's gate fused in, the only
-  gate `xla_chunked` takes), T up to 4096 (B=1, H=4, K=V=128). Compile excluded; medians; the
-  max |difference| from the recurrence is printed as a check.
+- kda: KDA prefill forms on the same inputs, each against the per-token recurrence
+  (`kda.prefill` ``recurrent``): k3text's matmul-form ``chunked`` with K3's gate bound declared
+  (product diagonals) and without (pairwise diagonals, Kimi Linear's path), fla-core's
+  `naive_chunk_kda` (torch), tokamax's `kimi_delta_attention` `xla` (its token-by-token
+  recurrence) and `xla_chunked` (jit; K3's gate fused in, the only gate `xla_chunked` takes);
+  B=1 at T = 256 ... 16384 and B=8 at T = 4096 (H=4, K=V=128). Compile excluded; medians; the
+  max |difference| from the recurrence is printed as a check. A second table gives the achieved
+  FLOP rate of the forms whose work is counted (`kda_flops`) beside the rate of a 2048^3 float32
+  matmul measured in the same process.
 - loop: the tiny K3 (configs/models/k3-tiny.yml) at batch 1: the whole decode loop jitted
   (`Engine.decode_batch`) vs a Python loop over the jitted `Engine.step`, once reading each step's
   tokens back to the host (as a server checking EOS must) and once dispatching asynchronously.
@@ -33,6 +37,11 @@ Sections (all by default):
   type; bfloat16 storage on CPU would add XLA:CPU's whole-tensor bf16->f32 conversions); plus
   the grouped (`ragged_dot`) kernel forced with moe_dense_threshold=1, which touches every
   held expert.
+
+- ttft: time to first token at a 2,048-token prompt for the shipped model (configs/inference/
+  cpu.yml) and the tiny Kimi Linear, per KDA prefill implementation on the same weights: the
+  chunked form as it was before `k3text.ops.kda` (read from git at OLD_KDA_COMMIT), the matmul
+  form and the per-token recurrence.
 
 Pairs are measured interleaved (one call of each per round, after one warm-up call each), so
 load from other processes hits both sides of a ratio alike. torch runs with one thread unless
@@ -72,7 +81,7 @@ from k3text.inference import sampling
 from k3text.inference.engine import Engine, place_model
 from k3text.layers import moe
 from k3text.ops import kda
-from k3text.ops.kda_tokamax import tokamax_kda
+from k3text.ops.kda.tokamax import tokamax_kda
 from k3text.tools.tables import table
 
 import hf_reference
@@ -133,8 +142,7 @@ def twin_engine(hf_model: Any, prompt_len: int, steps: int, **overrides: Any) ->
 
 def expert_kernel(cfg: Config, tokens: int) -> str:
     """The routed-expert kernel one device runs for `tokens` tokens (unsharded experts)."""
-    slots = tokens * cfg.num_experts_per_token
-    return "gathered" if moe.use_gathered(cfg, slots, cfg.num_experts) else "ragged_dot"
+    return moe.expert_implementation(cfg, None, tokens)
 
 
 def bandwidth_bytes_per_s() -> float:
@@ -262,7 +270,10 @@ def transformers_section(quick: bool) -> list[Row]:
 # KDA prefill forms.
 # --------------------------------------------------------------------------------------------
 
-KDA_SHAPE = dict(batch=1, heads=4, head_dim=128)
+KDA_HEADS, KDA_HEAD_DIM = 4, 128
+# (batch, T): B=1 up to 16K tokens, and a batch of 8.
+KDA_CASES_QUICK = ((1, 256), (1, 1024))
+KDA_CASES = ((1, 256), (1, 1024), (1, 4096), (1, 16384), (8, 4096))
 
 
 def load_fla_naive() -> Any:
@@ -280,11 +291,11 @@ def load_fla_naive() -> Any:
 KDA_LOWER_BOUND = -5.0  # K3's gate; tokamax's xla_chunked implements only this gate form
 
 
-def kda_inputs(t: int, seed: int = 0) -> dict[str, np.ndarray]:
+def kda_inputs(b: int, t: int, seed: int = 0) -> dict[str, np.ndarray]:
     """q, k (L2-normalised, as the layer feeds them), v, beta in (0, 1), and K3's lower-bounded
     decay gate twice: raw (f, a_log, dt_bias, for tokamax's fused gate) and activated
     (g = lb * sigmoid(exp(a_log) * (f + dt_bias)), mostly in (-2, 0), for the other forms)."""
-    b, h, d = KDA_SHAPE["batch"], KDA_SHAPE["heads"], KDA_SHAPE["head_dim"]
+    h, d = KDA_HEADS, KDA_HEAD_DIM
     rng = np.random.default_rng(seed)
 
     def unit(x):
@@ -301,12 +312,15 @@ def kda_inputs(t: int, seed: int = 0) -> dict[str, np.ndarray]:
     return {name: a.astype(np.float32) for name, a in arrays.items()}
 
 
-KDA_FORMS = {  # name -> the arrays it takes, in order
-    "chunked": ("q", "k", "v", "g", "beta"),
-    "recurrent": ("q", "k", "v", "g", "beta"),
-    "fla_naive_chunk": ("q", "k", "v", "g", "beta"),
-    "tokamax_xla": ("q", "k", "v", "f", "beta", "a_log", "dt_bias"),
-    "tokamax_xla_chunked": ("q", "k", "v", "f", "beta", "a_log", "dt_bias"),
+LOG_GATE = ("q", "k", "v", "g", "beta")
+RAW_GATE = ("q", "k", "v", "f", "beta", "a_log", "dt_bias")
+KDA_FORMS = {  # name -> the arrays it takes, in order; the recurrence is the baseline
+    "recurrent": LOG_GATE,
+    "chunked": LOG_GATE,  # K3's bound declared: product diagonals
+    "chunked_unbounded": LOG_GATE,  # no bound declared: pairwise diagonals (Kimi Linear's path)
+    "fla_naive_chunk": LOG_GATE,
+    "tokamax_xla": RAW_GATE,
+    "tokamax_xla_chunked": RAW_GATE,
 }
 
 
@@ -318,22 +332,62 @@ def tokamax_form(implementation: str) -> Callable[..., jax.Array]:
     return jax.jit(run)
 
 
+def kda_prefill_form(implementation: str, **options: Any) -> Callable[..., jax.Array]:
+    return jax.jit(lambda *a: kda.prefill(*a, implementation=implementation, **options)[0])
+
+
+def matmul_rate() -> float:
+    """FLOP/s of a 2048^3 float32 matmul on this machine, in this process (median of 5)."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((2048, 2048)), jnp.float32)
+    product = jax.jit(jnp.matmul)
+    product(a, a).block_until_ready()
+    seconds = benchlib.median(timed(lambda: product(a, a).block_until_ready())[0]
+                              for _ in range(5))
+    return 2 * 2048**3 / seconds
+
+
+def kda_flops(form: str, b: int, t: int, chunk: int = 64, sub: int = 16) -> float | None:
+    """Floating-point operations a KDA form needs, counted from its algorithm (XLA's cost analysis
+    does not count loop bodies, so it reports nearly nothing for a scan): the per-token
+    recurrences about 7 K V per token and head (decay, k . S, the rank-1 write, q . S); k3text's
+    chunked form its products per chunk and head (diagonal and below-diagonal interaction blocks,
+    the block inverse, the solve for U and W, the state hand-off and the output). None for forms
+    whose algorithm is not ours to count."""
+    k = v = KDA_HEAD_DIM
+    heads = b * KDA_HEADS
+    if form in ("recurrent", "tokamax_xla"):
+        return 7.0 * k * v * t * heads
+    if not form.startswith("chunked"):
+        return None
+    m = chunk // sub
+    macs = (2 * chunk * sub * k  # diagonal sub-chunk blocks, q and k rows
+            + 2 * (m - 1) ** 2 * sub * sub * k  # below-diagonal blocks
+            + m * sub**3 / 3 + sum((r * r + r) * sub**3 for r in range(1, m))  # block inverse
+            + chunk * chunk * (k + v)  # U and W from the inverse
+            + 3 * chunk * k * v  # the hand-off: [W; q Gamma] @ S and k^T u
+            + chunk * chunk * v)  # A_qk @ U
+    return 2.0 * macs * -(-t // chunk) * heads
+
+
 def kda_section(quick: bool) -> list[Row]:
-    lengths, repeats = ((256, 1024), 3) if quick else ((256, 1024, 4096), 5)
+    cases, repeats = (KDA_CASES_QUICK, 3) if quick else (KDA_CASES, 5)
     naive = load_fla_naive()
     jitted = {
-        "chunked": jax.jit(lambda *a: kda.kda_chunked(*a, chunk_size=64)[0]),
-        "recurrent": jax.jit(lambda *a: kda.kda_recurrent(*a)[0]),
+        "recurrent": kda_prefill_form("recurrent"),
+        "chunked": kda_prefill_form("chunked", gate_lower_bound=KDA_LOWER_BOUND),
+        "chunked_unbounded": kda_prefill_form("chunked"),
         "tokamax_xla": tokamax_form("xla"),
         "tokamax_xla_chunked": tokamax_form("xla_chunked"),
     }
+    peak = matmul_rate()
     rows = []
-    for t in lengths:
-        inputs = kda_inputs(t)
-        forms = {}
+    for b, t in cases:
+        inputs = kda_inputs(b, t)
+        forms, flops = {}, {}
         for name, fn in jitted.items():
             device = [jax.device_put(inputs[a]) for a in KDA_FORMS[name]]
             forms[name] = lambda fn=fn, d=device: fn(*d).block_until_ready()
+            flops[name] = kda_flops(name, b, t)
         tensors = [torch.from_numpy(inputs[a]) for a in KDA_FORMS["fla_naive_chunk"]]
         forms["fla_naive_chunk"] = lambda x=tensors: naive.naive_chunk_kda(
             *x, scale=1.0, chunk_size=64)[0]
@@ -343,21 +397,36 @@ def kda_section(quick: bool) -> list[Row]:
         for name in KDA_FORMS:
             runs = results[name]
             seconds = benchlib.median(s for s, _ in runs)
-            rows.append({"section": "kda", "form": name, "T": t, **KDA_SHAPE, "ms": seconds * 1e3,
-                         "tokens_per_s": KDA_SHAPE["batch"] * t / seconds,
+            rate = flops.get(name) and flops[name] / seconds
+            rows.append({"section": "kda", "form": name, "batch": b, "T": t,
+                         "heads": KDA_HEADS, "head_dim": KDA_HEAD_DIM, "ms": seconds * 1e3,
+                         "tokens_per_s": b * t / seconds,
+                         "gflop": flops.get(name) and flops[name] / 1e9,
+                         "gflop_per_s": rate and rate / 1e9,
+                         "share_of_matmul_rate": rate and rate / peak,
+                         "matmul_gflop_per_s": peak / 1e9,
                          "max_abs_diff_vs_recurrent": float(np.max(np.abs(
                              np.asarray(runs[0][1]) - reference)))})
-    by = {(r["form"], r["T"]): r["ms"] for r in rows}
-    others = [f for f in KDA_FORMS if f != "chunked"]
-    print(table(["T", *(f"{f} ms" for f in KDA_FORMS), *(f"{f} / chunked" for f in others),
-                 "max |diff|"],
-                [[str(t), *(f"{by[f, t]:.2f}" for f in KDA_FORMS),
-                  *(ratio(by[f, t], by["chunked", t]) for f in others),
-                  f"{max(r['max_abs_diff_vs_recurrent'] for r in rows if r['T'] == t):.1e}"]
-                 for t in lengths],
-                title=f"(b) KDA prefill, B={KDA_SHAPE['batch']} H={KDA_SHAPE['heads']} "
-                      f"K=V={KDA_SHAPE['head_dim']}, fp32, K3's gate (lower bound "
-                      f"{KDA_LOWER_BOUND}); jit compile excluded"))
+    by = {(r["form"], r["batch"], r["T"]): r for r in rows}
+    others = [f for f in KDA_FORMS if f != "recurrent"]
+    print(table(["B", "T", *(f"{f} ms" for f in KDA_FORMS),
+                 *(f"recurrent / {f}" for f in others), "max |diff|"],
+                [[str(b), str(t), *(f"{by[f, b, t]['ms']:.2f}" for f in KDA_FORMS),
+                  *(ratio(by["recurrent", b, t]["ms"], by[f, b, t]["ms"]) for f in others),
+                  f"{max(by[f, b, t]['max_abs_diff_vs_recurrent'] for f in KDA_FORMS):.1e}"]
+                 for b, t in cases],
+                title=f"(b) KDA prefill, H={KDA_HEADS} K=V={KDA_HEAD_DIM}, fp32, K3's gate "
+                      f"(lower bound {KDA_LOWER_BOUND}); speed-ups over the per-token recurrence; "
+                      f"jit compile excluded"))
+    xla_forms = [f for f in KDA_FORMS if f != "fla_naive_chunk"]
+    print(table(["B", "T", *(f"{f} GFLOP/s" for f in xla_forms)],
+                [[str(b), str(t), *(
+                    f"{by[f, b, t]['gflop_per_s']:.1f} ({by[f, b, t]['share_of_matmul_rate']:.0%})"
+                    if by[f, b, t]["gflop_per_s"] else "-" for f in xla_forms)]
+                 for b, t in cases],
+                title=f"    achieved rate (each form's FLOPs counted from its algorithm, see "
+                      f"kda_flops, / time) and its share of a 2048^3 fp32 matmul measured here: "
+                      f"{peak / 1e9:.1f} GFLOP/s"))
     return rows
 
 
@@ -414,6 +483,103 @@ def loop_section(quick: bool) -> list[Row]:
                 title=f"(c) decode loop shape, k3-tiny, batch 1, {steps} tokens, median of "
                       f"{repeats} interleaved runs; compile excluded"))
     return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Time to first token at long prompts, per KDA prefill implementation.
+# --------------------------------------------------------------------------------------------
+
+# The chunked KDA form the model ran before `k3text.ops.kda` became a package of
+# implementations (a [C, C, K] pairwise-decay tensor per chunk and a 64-step triangular solve),
+# read from git at that commit so the old op runs in this process without living in the tree.
+OLD_KDA_COMMIT = "665a2be"
+TTFT_PROMPT = 2048
+
+
+def old_kda_chunked() -> Callable[..., Any]:
+    import subprocess
+    import types
+
+    source = subprocess.run(["git", "-C", str(benchlib.ROOT), "show",
+                             f"{OLD_KDA_COMMIT}:src/k3text/ops/kda.py"],
+                            capture_output=True, text=True, check=True).stdout
+    module = types.ModuleType("k3text_old_kda")
+    exec(compile(source, f"{OLD_KDA_COMMIT}:src/k3text/ops/kda.py", "exec"), module.__dict__)
+
+    def chunked(q, k, v, g, beta, initial_state=None, chunk_size=64, gate_lower_bound=None,
+                precision=None):
+        del gate_lower_bound  # the old form had no bounded path
+        return module.kda_chunked(q, k, v, g, beta, initial_state, chunk_size=chunk_size,
+                                  precision=precision)
+    return chunked
+
+
+def ttft_engines(model: str) -> dict[str, Any]:
+    """One engine per KDA prefill implementation, on the same weights: `old` (the pairwise
+    chunked form of OLD_KDA_COMMIT), `chunked` (the matmul form) and `recurrent` (the per-token
+    scan, CPU's `auto`). Prompts up to TTFT_PROMPT tokens in 64-token prefill chunks."""
+    lengths = dict(max_prefill_predict_length=TTFT_PROMPT,
+                   max_target_length=TTFT_PROMPT + 64, per_device_batch_size=1)
+    if model == "shipped":
+        base = [str(CONFIG_DIR / "inference" / "cpu.yml")]
+    else:
+        base = [str(CONFIG_DIR / "models" / "kimi-linear-tiny.yml")]
+    engines = {}
+    for name in ("old", "chunked", "recurrent"):
+        implementation = "chunked" if name == "old" else name
+        cfg = load_config(base[0], base[1:] + [f"kda_implementation={implementation}"],
+                          **lengths)
+        engines[name] = decode.build(cfg)[0]
+    return engines
+
+
+def ttft_section(quick: bool) -> list[Row]:
+    prompt_len, repeats = (512, 2) if quick else (TTFT_PROMPT, 3)
+    old = old_kda_chunked()
+    rows = []
+    for model in ("shipped", "kimi-linear-tiny"):
+        engines = ttft_engines(model)
+        prompt = np.random.default_rng(0).integers(
+            3, engines["old"].cfg.vocab_size, prompt_len).tolist()
+
+        def first_token(engine, swap=None, prompt=prompt):
+            # The old op is swapped in for the trace only; compiled programs keep it.
+            saved = kda.kda_chunked
+            if swap is not None:
+                kda.kda_chunked = swap
+            try:
+                start = time.perf_counter()
+                prefix = engine.prefill([prompt])
+                jax.block_until_ready(prefix)
+                return time.perf_counter() - start
+            finally:
+                kda.kda_chunked = saved
+
+        runs = interleaved({name: (lambda e=e, n=name: first_token(e, old if n == "old" else None))
+                            for name, e in engines.items()}, repeats)
+        base = benchlib.median(runs["old"])
+        for name, seconds in runs.items():
+            ms = benchlib.median(seconds) * 1e3
+            rows.append({"section": "ttft", "model": model, "kda_prefill": name,
+                         "prompt_tokens": prompt_len, "ttft_ms": ms,
+                         "speedup_vs_old": base * 1e3 / ms})
+    print(table(["model", "prompt", *(f"{n} ms" for n in ("old", "chunked", "recurrent")),
+                 "old / chunked", "old / recurrent"],
+                [[m, str(prompt_len),
+                  *(f"{r['ttft_ms']:.0f}" for r in rows if r["model"] == m),
+                  *(f"{r['speedup_vs_old']:.2f}x" for r in rows
+                    if r["model"] == m and r["kda_prefill"] != "old")]
+                 for m in ("shipped", "kimi-linear-tiny")],
+                title=f"(e) time to first token (prefill of one {prompt_len}-token prompt in "
+                      f"64-token chunks, batch 1) per KDA prefill implementation, median of "
+                      f"{repeats} interleaved runs; compile excluded"))
+    return rows
+
+
+def plot_ttft(rows: Sequence[Row], ax: Any) -> None:
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    bars(ax, models, {name: [r["ttft_ms"] for r in rows if r["kda_prefill"] == name]
+                      for name in ("old", "chunked", "recurrent")}, "time to first token (ms)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,9 +655,9 @@ def plot_transformers(rows: Sequence[Row], ax: Any) -> None:
 
 def plot_kda(rows: Sequence[Row], ax: Any) -> None:
     for form in dict.fromkeys(r["form"] for r in rows):
-        mine = [r for r in rows if r["form"] == form]
+        mine = [r for r in rows if r["form"] == form and r["batch"] == 1]
         ax.plot([r["T"] for r in mine], [r["ms"] for r in mine], marker="o", label=form)
-    ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="ms per call")
+    ax.set(xscale="log", yscale="log", xlabel="T (tokens), batch 1", ylabel="ms per call")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
 
@@ -528,6 +694,7 @@ SECTIONS: dict[str, tuple[Callable[[bool], list[Row]], Callable[[Sequence[Row], 
     "kda": (kda_section, plot_kda),
     "loop": (loop_section, plot_loop),
     "mxfp4": (mxfp4_section, plot_mxfp4),
+    "ttft": (ttft_section, plot_ttft),
 }
 
 

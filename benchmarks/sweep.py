@@ -35,7 +35,8 @@ source (WEIGHT_KEYS) share the placed weights instead of loading them again. A p
    outputs - aliased (donated) + temporaries; `step_temp_mib`) and the process RSS after the
    point (`rss_mib`: everything alive in the process, indicative only);
 5. what ran: the MoE expert kernel `moe.routed_experts` picks for prefill chunks and decode
-   steps (`gathered` = hit experts only, `ragged_dot` = grouped matmul), the expert-parallel
+   steps (`gathered` = hit experts only, `grouped` = ragged_dot grouped matmul, `reference`;
+   `moe.expert_implementation`), the expert-parallel
    combine (`-` none, `psum`, `a2a-padded`, `a2a-ragged`), and the collectives in the compiled
    decode step (static op counts; a scanned layer group's ops count once).
 
@@ -194,20 +195,10 @@ def check_config(sweep: Sweep, cfg: Config, where: str) -> None:
 
 
 def moe_path(cfg: Config, ctx: sharding.MeshContext, tokens: int) -> str:
-    """The expert kernel `moe.routed_experts` picks for `tokens` routed tokens (global): the
-    same `moe.use_gathered` question, asked with the slots and experts one device sees."""
+    """The expert kernel `moe.routed_experts` picks for `tokens` routed tokens (global)."""
     if not cfg.num_experts:
         return "-"
-    k, ep, data = cfg.num_experts_per_token, ctx.size("exp"), max(1, ctx.size("batch"))
-    if ep == 1:
-        slots, held = tokens * k, cfg.num_experts
-    elif cfg.moe_ep_mode == "all_to_all":
-        # Each device receives `ep` capacity-padded blocks of one token slice's slots.
-        per_device = -(-(tokens // data) // ep)
-        slots, held = ep * per_device * k, cfg.num_experts // ep
-    else:
-        slots, held = tokens * k // data, cfg.num_experts // ep
-    return "gathered" if moe.use_gathered(cfg, slots, held) else "ragged_dot"
+    return moe.expert_implementation(cfg, ctx, tokens)
 
 
 def moe_transport(cfg: Config, ctx: sharding.MeshContext) -> str:

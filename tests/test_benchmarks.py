@@ -44,7 +44,7 @@ repeats: 1
         assert set(sweep.FIELDS) | {"per_device_batch_size"} <= point.keys()
         assert point["error"] is None
         assert (point["batch"], point["decode_steps"], point["prompt_length"]) == (batch, 2, 5)
-        assert point["moe_path_decode"] in ("gathered", "ragged_dot")
+        assert point["moe_path_decode"] in ("gathered", "grouped")
         for field in ("ttft_ms", "decode_tokens_per_s", "step_ms_p50", "step_peak_mib"):
             assert point[field] > 0, field
 

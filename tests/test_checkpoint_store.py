@@ -12,8 +12,8 @@ from k3text.checkpoint import load_model, save_model, store, synthetic
 from k3text.checkpoint.safetensors_io import CheckpointError
 from k3text.config import ConfigError, load_config
 from k3text.layers.initializers import Init
-from k3text.layers.mxfp4 import quantize_mxfp4
 from k3text.models.decoder import Decoder
+from k3text.ops.mxfp4 import quantize_mxfp4
 
 from helpers import MODELS, mesh_context
 

@@ -5,7 +5,6 @@ import re
 import subprocess
 import sys
 
-import jax
 import pytest
 
 from k3text import sharding
@@ -14,18 +13,24 @@ from k3text.tools import compile_check
 from helpers import ROOT, mesh_context, tiny_config
 
 
-@pytest.mark.parametrize("mode,transport", [("local", "auto"), ("all_to_all", "ragged")])
-def test_whole_model_lowers_for_tpu(mode, transport):
-    cfg = tiny_config("k3-tiny", "ici_tensor_parallelism=2", "ici_expert_parallelism=4",
-                      f"moe_ep_mode={mode}", f"moe_a2a_transport={transport}")
-    ctx = mesh_context(cfg)
-    with sharding.use_mesh(ctx.mesh, ctx.rules):
-        for name, (fn, args) in compile_check.programs(
-                compile_check.abstract_inputs(cfg, ctx)).items():
-            exported = jax.export.export(fn, platforms=["tpu"], disabled_checks=[
-                jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(*args)
-            text = exported.mlir_module()
-            assert ("ragged_all_to_all" in text) == (transport == "ragged"), name
+@pytest.mark.parametrize("mode,transport", [("local", "padded"), ("all_to_all", "auto")])
+def test_whole_model_lowers_for_tpu_with_tokamax_kernels(mode, transport):
+    """Exported for TPU (an abstract TPU v7x mesh), `auto` picks what a TPU runs: tokamax's
+    Mosaic KDA kernels in both programs (the decode step's fused conv + delta rule, the prefill
+    chunk's chunked kernel; two kernel calls each, once in the scanned layer group) and the
+    ragged all-to-all; with XLA forms forced, no kernel is left, so a fallback cannot hide a
+    kernel that never ran."""
+    xla_forms = ["kda_implementation=chunked", "kda_decode_implementation=xla"]
+    for forms, kernels in (([], 2), (xla_forms, 0)):
+        cfg = tiny_config("k3-tiny", "ici_tensor_parallelism=2", "ici_expert_parallelism=4",
+                          f"moe_ep_mode={mode}", f"moe_a2a_transport={transport}", *forms)
+        ctx = mesh_context(cfg)
+        with sharding.use_mesh(ctx.mesh, ctx.rules):
+            for name, (fn, args) in compile_check.programs(
+                    compile_check.abstract_inputs(cfg, ctx)).items():
+                text = compile_check.export_for_tpu(fn, args, ctx.mesh)
+                assert text.count("tpu_custom_call") == kernels, name
+                assert ("ragged_all_to_all" in text) == (mode == "all_to_all"), name
 
 
 @pytest.mark.slow

@@ -10,11 +10,11 @@ import pytest
 from flax import nnx
 
 from k3text.inference.engine import generate_program
-from k3text.inference.state import zeros
 from k3text.layers.attention_kda import KDAAttention, KDAState
 from k3text.layers.attention_mla import MLAAttention
 from k3text.layers.initializers import Init
 from k3text.models.decoder import Decoder
+from k3text.models.state import zeros
 
 from helpers import engine_for, tiny_config
 

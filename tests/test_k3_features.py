@@ -10,13 +10,14 @@ import pytest
 from flax import nnx
 
 from k3text.config import config_from_dict, load_config
-from k3text.layers import mxfp4
 from k3text.layers.activations import situ_glu
 from k3text.layers.attention_kda import decay_gate
 from k3text.layers.initializers import Init
 from k3text.layers.linears import matmul_out_in
 from k3text.layers.moe import MoE
 from k3text.models.decoder import Decoder
+from k3text.ops import mxfp4
+from k3text.ops.experts import IMPLEMENTATIONS
 
 from helpers import tiny_config
 
@@ -32,9 +33,9 @@ def np_rms(x, eps):
 @pytest.mark.parametrize("lead", [(), (1,), (1, 1), (3,), (2, 5)])
 @pytest.mark.parametrize("out_in", [(48, 64), (256, 128)])
 def test_matmul_out_in_matches_numpy(lead, out_in):
-    """x @ kernel.T against numpy: several tokens take the einsum; one token takes `matvec`,
-    whose fused vector @ matrix.T form starts at 16K kernel elements (256 x 128) and whose
-    library form serves smaller kernels (48 x 64)."""
+    """x @ kernel.T against numpy: several tokens take the einsum; one token takes the CPU form
+    of `ops.linear.project_out_in`, whose fused vector @ matrix.T form starts at 16K kernel
+    elements (256 x 128) and whose library form serves smaller kernels (48 x 64)."""
     cfg = tiny_config("k3-tiny")
     rng = np.random.default_rng(0)
     x, kernel = rng.normal(size=(*lead, out_in[1])), rng.normal(size=out_in)
@@ -124,11 +125,10 @@ def reference_moe(cfg, moe, x):
 
 
 @pytest.mark.parametrize("experts", ["mxfp4", "bf16"])
-@pytest.mark.parametrize("path", ["grouped", "gathered"])
+@pytest.mark.parametrize("path", IMPLEMENTATIONS)
 def test_latent_moe_matches_per_token_loop(experts, path):
-    threshold = 100_000 if path == "gathered" else 1
     cfg = tiny_config("k3-tiny", f"expert_weight_format={experts}",
-                      f"moe_dense_threshold={threshold}")
+                      f"moe_expert_implementation={path}")
     moe = MoE(cfg, Init(5))
     moe.e_score_correction_bias[...] = jnp.asarray(
         np.random.default_rng(2).normal(0, 0.05, cfg.num_experts), jnp.float32)

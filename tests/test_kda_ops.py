@@ -1,5 +1,6 @@
-"""KDA ops: chunked vs recurrent vs decode step, against fla-core's naive torch reference, and the
-short causal conv against a numpy loop."""
+"""KDA ops: every implementation (prefill forms and the decode step) against one float64
+recurrence, the chunked form against fla-core's naive torch reference, and the short causal conv
+against a numpy loop."""
 
 import functools
 import importlib.util
@@ -9,15 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from k3text.ops.kda import (
-    causal_conv1d,
-    causal_conv1d_step,
-    kda_chunked,
-    kda_recurrent,
-    kda_step,
-    l2_normalize,
-)
+from k3text.layers.initializers import Init
+from k3text.models.decoder import Decoder
+from k3text.ops import kda
+from k3text.ops.kda import causal_conv1d, causal_conv1d_step, l2_normalize
+from k3text.ops.kda.chunked import kda_chunked
+from k3text.ops.kda.reference import kda_recurrent, kda_step
+
+from helpers import tiny_config
 
 # Each compiled shape runs once or twice on tiny inputs, so compile time dominates: skip the
 # backend's optimisation passes (about a third off every compile; results are unaffected).
@@ -86,54 +88,171 @@ def test_l2_normalize_puts_eps_inside_the_sqrt():
     assert_close(l2_normalize(jnp.array([1e-3]), eps=1e-6), [1e-3 / np.sqrt(1e-6 + 1e-6)])
 
 
-# --- chunked vs recurrent ---------------------------------------------------------------------
+# --- the harness: every implementation against a float64 recurrence ---------------------------
+#
+# Each case batches four rows that cover the gates and write strengths KDA meets: K3's lower
+# bound on every channel of every token (g = -5), strong unbounded Kimi Linear decays (down to
+# -33 per token), beta = 0 (no write; the state only decays) and beta = 1 (a full overwrite).
+# The reference is the token update of the module docstring in numpy float64, written here
+# independently of k3text's ops. Implementations compute in float32, so tolerances are float32
+# rounding of O(1) outputs accumulated over the sequence.
+
+HARNESS_T = [1, 15, 16, 17, 63, 64, 65, 1000, 4096]
+HARNESS_TOL = 5e-5  # inputs are rounded to their dtype before the reference sees them
+K3_BOUND = -5.0
 
 
-@pytest.mark.parametrize("t", [1, 2, 63, 64, 65, 200])
-@pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.parametrize("max_decay", [1.0, 5.0])
-def test_chunked_matches_recurrent(t, with_state, max_decay):
-    # At max_decay = 5, exp(G_i - G_j) above a 64-token chunk's diagonal is far outside float32.
-    q, k, v, g, beta, s0 = make_inputs(t, t, max_decay, with_state)
-    o_ref, s_ref = recurrent(q, k, v, g, beta, s0)
-    o, s = chunked(q, k, v, g, beta, s0)
-    assert o.shape == (B, t, H, DV) and s.shape == (B, H, DK, DV)
-    assert o.dtype == s.dtype == jnp.float32
-    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
-    assert_close(o, o_ref)
-    assert_close(s, s_ref)
+def harness_inputs(t, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q = np_l2_normalize(rng.standard_normal((4, t, H, DK))) * DK ** -0.5
+    k = np_l2_normalize(rng.standard_normal((4, t, H, DK)))
+    v = rng.standard_normal((4, t, H, DV))
+    g = np.stack([np.full((t, H, DK), K3_BOUND),
+                  -np.exp(rng.uniform(0.0, 3.5, (t, H, DK))),
+                  -rng.uniform(0.0, 1.0, (t, H, DK)),
+                  -rng.uniform(0.0, -K3_BOUND, (t, H, DK))])
+    beta = np.stack([1.0 / (1.0 + np.exp(-rng.standard_normal((t, H)))), rng.uniform(0, 1, (t, H)),
+                     np.zeros((t, H)), np.ones((t, H))])
+    s0 = rng.standard_normal((4, H, DK, DV))
+    # Round to the input dtype first: the reference then sees exactly what the op sees.
+    rounded = [np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in (q, k, v, g, beta)]
+    return rounded, s0.astype(np.float32)
 
 
-def test_chunked_is_independent_of_chunk_size():
-    q, k, v, g, beta, s0 = make_inputs(7, 200, max_decay=2.0)
-    o_64, s_64 = chunked(q, k, v, g, beta, s0)  # the default, 64
-    o_16, s_16 = chunked(q, k, v, g, beta, s0, chunk_size=16)
-    assert_close(o_16, o_64)
-    assert_close(s_16, s_64)
+def reference_f64(q, k, v, g, beta, s0):
+    q, k, v, g, beta = (np.asarray(a, np.float64) for a in (q, k, v, g, beta))
+    state = np.zeros((q.shape[0], H, DK, DV)) if s0 is None else np.asarray(s0, np.float64)
+    o = np.zeros(v.shape)
+    for t in range(q.shape[1]):
+        state = state * np.exp(g[:, t])[..., None]
+        predicted = np.einsum("bhk,bhkv->bhv", k[:, t], state)
+        state = state + np.einsum("bhk,bhv->bhkv", k[:, t],
+                                  beta[:, t, :, None] * (v[:, t] - predicted))
+        o[:, t] = np.einsum("bhk,bhkv->bhv", q[:, t], state)
+    return o, state
 
 
-def test_chunked_accepts_bf16_inputs_and_computes_in_fp32():
-    q, k, v, g, beta, s0 = make_inputs(8, 65)
-    low = [a.astype(jnp.bfloat16) for a in (q, k, v, g, beta)]
-    o, s = chunked(*low, s0)
-    o_ref, s_ref = recurrent(*(a.astype(np.float32) for a in low), s0)
-    assert o.dtype == s.dtype == jnp.float32
-    assert_close(o, o_ref)
-    assert_close(s, s_ref)
+def decode_by_steps(q, k, v, g, beta, s0):
+    """The decode step's delta rule (`reference.kda_step`, the ``xla`` decode step's core) applied
+    token by token; the whole decode step, conv and activations included, has its own harness
+    below."""
+    state = jnp.zeros((q.shape[0], H, DK, DV), jnp.float32) if s0 is None else s0
+
+    def one(state, xs):
+        o, state = kda_step(*xs, state, precision=jax.lax.Precision.HIGHEST)
+        return state, o
+
+    state, o = jax.lax.scan(one, state, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)))
+    return jnp.moveaxis(o, 0, 1), state
 
 
-# --- decode step ------------------------------------------------------------------------------
+HIGHEST = jax.lax.Precision.HIGHEST
+IMPLEMENTATIONS = {
+    "recurrent": _jit(functools.partial(kda.prefill, implementation="recurrent",
+                                        precision=HIGHEST)),
+    "chunked": _jit(functools.partial(kda.prefill, implementation="chunked", precision=HIGHEST)),
+    # K3's bound declared: the diagonal sub-chunks run as products (the row with unbounded
+    # decays is left out of this one's comparison).
+    "chunked_bounded": _jit(functools.partial(kda.prefill, implementation="chunked",
+                                              gate_lower_bound=K3_BOUND, precision=HIGHEST)),
+    "decode_step": _jit(decode_by_steps),
+}
 
 
-def test_step_by_step_matches_recurrent():
-    q, k, v, g, beta, state = make_inputs(3, 63, max_decay=3.0)
-    o_ref, s_ref = recurrent(q, k, v, g, beta, state)
-    outs = []
-    for i in range(q.shape[1]):
-        o_i, state = step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], state)
-        outs.append(o_i)
-    assert_close(jnp.stack(outs, axis=1), o_ref)
-    assert_close(state, s_ref)
+# bfloat16 inputs at three lengths: the arithmetic is float32 either way.
+HARNESS_CASES = [pytest.param(t, with_state, dtype, id=f"T{t}-{'state' if with_state else 'zero'}"
+                              f"-{jnp.dtype(dtype).name}")
+                 for dtype, lengths in ((jnp.float32, HARNESS_T), (jnp.bfloat16, (17, 65, 1000)))
+                 for t in lengths for with_state in (True, False)]
+
+
+@pytest.mark.parametrize(("t", "with_state", "dtype"), HARNESS_CASES)
+def test_every_implementation_matches_the_float64_recurrence(t, with_state, dtype):
+    (q, k, v, g, beta), s0 = harness_inputs(t, dtype, seed=t)
+    s0 = s0 if with_state else None
+    o_ref, s_ref = reference_f64(q, k, v, g, beta, s0)
+    low = [jnp.asarray(a, dtype) for a in (q, k, v, g, beta)]
+    tol = HARNESS_TOL
+    for name, fn in IMPLEMENTATIONS.items():
+        o, s = fn(*low, initial_state=s0) if name != "decode_step" else fn(*low, s0)
+        assert o.shape == (4, t, H, DV) and s.shape == (4, H, DK, DV), name
+        assert o.dtype == s.dtype == jnp.float32, name
+        rows = [0, 2, 3] if name == "chunked_bounded" else [0, 1, 2, 3]
+        o, s = np.asarray(o)[rows], np.asarray(s)[rows]
+        assert np.isfinite(o).all() and np.isfinite(s).all(), name
+        np.testing.assert_allclose(o, o_ref[rows], rtol=tol, atol=tol, err_msg=name)
+        np.testing.assert_allclose(s, s_ref[rows], rtol=tol, atol=tol, err_msg=name)
+
+
+@pytest.mark.parametrize("t", [17, 65])
+def test_tokamax_mosaic_in_pallas_interpret_mode_matches_the_float64_recurrence(
+        t, monkeypatch):
+    """tokamax's Mosaic TPU kernel through `kda.prefill`, run on the CPU by Pallas's TPU
+    interpreter (tokamax reads PALLAS_INTERPRET while tracing; the abstract TPU7x mesh answers
+    its VMEM query); T = 17 and 65 exercise the padding to its 64-token chunks.
+
+    It matches on the bounded rows. On the row with strong unbounded decays (down to -33 per
+    token) its outputs are not finite, which is why ``auto`` never gives it an unbounded gate;
+    should a tokamax release fix that, this test says so and `kda.resolve_prefill` can change."""
+    monkeypatch.setenv("PALLAS_INTERPRET", "1")
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+    from tokamax.config import cross_compile
+
+    (q, k, v, g, beta), s0 = harness_inputs(t, jnp.float32, seed=t)
+    o_ref, s_ref = reference_f64(q, k, v, g, beta, s0)
+    device = AbstractDevice(device_kind="TPU7x", num_cores=1, platform="tpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=device)
+    mosaic = functools.partial(kda.prefill, implementation="tokamax_mosaic")
+    args = (q, k, v, g, beta, s0)
+    with cross_compile(True), jax.sharding.use_abstract_mesh(mesh):
+        traced = jax.jit(lambda *a: mosaic(*a[:5], initial_state=a[5])).trace(*args)
+    o, s = (np.asarray(a) for a in traced.lower(lowering_platforms=("cpu",)).compile()(*args))
+    bounded = [0, 2, 3]
+    np.testing.assert_allclose(o[bounded], o_ref[bounded], rtol=5e-5, atol=5e-5)
+    np.testing.assert_allclose(s[bounded], s_ref[bounded], rtol=5e-5, atol=5e-5)
+    assert not np.isfinite(o[1]).all(), "tokamax's kernel now handles strong unbounded decays"
+
+
+def test_chunked_sub_chunks_equal_whole_chunk_pairwise_decays():
+    """One sub-chunk per chunk (the whole chunk pairwise) and four sub-chunks of 16 give the same
+    result: the block factorisation changes rounding only."""
+    (q, k, v, g, beta), s0 = harness_inputs(200, jnp.float32, seed=3)
+    form = _jit(kda_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
+    whole = form(q, k, v, g, beta, s0, chunk_size=64, sub_chunk_size=64, precision=HIGHEST)
+    split = form(q, k, v, g, beta, s0, chunk_size=64, sub_chunk_size=16, precision=HIGHEST)
+    for a, b in zip(whole, split, strict=True):
+        assert_close(a, b)
+
+
+def test_chunked_refuses_a_chunk_that_is_not_whole_sub_chunks():
+    (q, k, v, g, beta), s0 = harness_inputs(8, jnp.float32)
+    with pytest.raises(ValueError, match="multiple of sub_chunk_size"):
+        kda_chunked(q, k, v, g, beta, s0, chunk_size=40, sub_chunk_size=16)
+
+
+def test_chunked_is_differentiable_and_its_gradients_match_the_recurrence():
+    (q, k, v, g, beta), s0 = harness_inputs(40, jnp.float32, seed=4)  # 3 chunks of 16
+
+    def loss(fn, q, k, v, g, beta):
+        o, s = fn(q, k, v, g, beta, s0)
+        return jnp.sum(o ** 2) + jnp.sum(s ** 2)
+
+    grads = [_jit(jax.grad(functools.partial(loss, fn), argnums=(0, 1, 2, 3, 4)))(q, k, v, g, beta)
+             for fn in (functools.partial(kda_recurrent, precision=HIGHEST),
+                        functools.partial(kda_chunked, chunk_size=16, precision=HIGHEST))]
+    for ref, ours in zip(*grads, strict=True):
+        assert np.isfinite(np.asarray(ours)).all()
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-4, atol=2e-4)
+
+
+def test_auto_picks_per_backend_and_unknown_names_are_refused():
+    assert kda.resolve_prefill("auto", "cpu") == "recurrent"
+    assert kda.resolve_prefill("auto", "tpu", gate_lower_bound=-5.0) == "tokamax_mosaic"
+    assert kda.resolve_prefill("auto", "tpu") == "chunked"  # unbounded gate
+    assert kda.resolve_prefill("auto", "gpu") == "chunked"
+    assert kda.resolve_prefill("chunked", "tpu") == "chunked"
+    with pytest.raises(ValueError, match="unknown KDA prefill implementation 'fast'"):
+        kda.resolve_prefill("fast")
 
 
 # --- no-op tokens -----------------------------------------------------------------------------
@@ -287,3 +406,118 @@ def test_conv_over_fused_qkv_channels_is_channelwise():
     assert_close(np.asarray(y_t).reshape(2, 12), y_ref[:, 0])
     assert_close(np.asarray(s_t).reshape(state.shape),
                  np.concatenate([state[:, 1:], x[:, :1]], axis=1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["k3-tiny", "kimi-linear-tiny"])
+def test_the_model_reads_the_same_through_every_cpu_implementation(name):
+    """Whole-model logits of a tiny K3 (bounded gate: the chunked form's product diagonals) and a
+    tiny Kimi Linear (unbounded: pairwise diagonals) with each prefill implementation the CPU
+    runs, right-padded rows included; 100 tokens span two 64-token chunks."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 200, (2, 100)), jnp.int32)
+    valid = jnp.arange(100)[None, :] < jnp.array([[100], [77]])
+    logits = {}
+    for implementation in ("recurrent", "chunked"):
+        model = Decoder(tiny_config(name, f"kda_implementation={implementation}"), Init(0))
+        graph, state = nnx.split(model)
+        forward = jax.jit(lambda state, t, m, g=graph: nnx.merge(g, state).forward(t, m))
+        logits[implementation] = np.asarray(forward(state, tokens, valid))
+    real = np.asarray(valid)
+    np.testing.assert_allclose(logits["chunked"][real], logits["recurrent"][real],
+                               rtol=1e-4, atol=1e-4)
+
+
+# --- the decode step from raw projections: every implementation against float64 --------------
+
+DECODE_HEADS, DECODE_DIM, DECODE_WIDTH, DECODE_SLOTS = 2, 16, 4, 3
+
+
+def decode_inputs(seed, steps):
+    """Raw projections for `steps` tokens of 3 slots, as the layer hands them over: q, k, v
+    before the conv, the decay projection f, beta logits; conv weights, A_log, dt_bias, and a
+    slot pool state (recurrent and conv). f is scaled up so that the unbounded gate reaches
+    strong decays."""
+    rng = np.random.default_rng(seed)
+    h, d, w = DECODE_HEADS, DECODE_DIM, DECODE_WIDTH
+    return dict(
+        qkv=rng.standard_normal((steps, DECODE_SLOTS, 3, h * d)),
+        f=4 * rng.standard_normal((steps, DECODE_SLOTS, h, d)),
+        beta_logits=2 * rng.standard_normal((steps, DECODE_SLOTS, h)),
+        conv_weight=rng.standard_normal((w, 3, h * d)) / 2,
+        a_log=np.log(rng.uniform(1.0, 16.0, h)),
+        dt_bias=rng.standard_normal(h * d),
+        conv_state=rng.standard_normal((DECODE_SLOTS, w - 1, 3, h * d)),
+        state=rng.standard_normal((DECODE_SLOTS, h, d, d)))
+
+
+def decode_reference_f64(x, lower_bound):
+    """The KDA layer's decode step in numpy float64: conv over the window, SiLU, per-head L2 norm
+    (eps inside the sqrt) and the query scale, the gate, the sigmoid beta, the delta rule."""
+    h, d = DECODE_HEADS, DECODE_DIM
+    conv, state = x["conv_state"].astype(np.float64), x["state"].astype(np.float64)
+    outs = []
+    for t in range(x["qkv"].shape[0]):
+        window = np.concatenate([conv, x["qkv"][t][:, None]], axis=1)
+        conv = window[:, 1:]
+        y = np.einsum("bwcf,wcf->bcf", window, x["conv_weight"])
+        y = y / (1 + np.exp(-y))
+        q, k, v = (y[:, i].reshape(-1, h, d) for i in range(3))
+        q = np_l2_normalize(q) * d ** -0.5
+        k = np_l2_normalize(k)
+        z = x["f"][t] + x["dt_bias"].reshape(h, d)
+        rate = np.exp(x["a_log"])[:, None]
+        g = lower_bound / (1 + np.exp(-rate * z)) if lower_bound else -rate * np.logaddexp(0, z)
+        beta = 1 / (1 + np.exp(-x["beta_logits"][t]))
+        state = state * np.exp(g)[..., None]
+        delta = beta[..., None] * (v - np.einsum("bhk,bhkv->bhv", k, state))
+        state = state + k[..., None] * delta[..., None, :]
+        outs.append(np.einsum("bhk,bhkv->bhv", q, state))
+    return np.stack(outs), conv, state
+
+
+def run_decode(implementation, x, lower_bound):
+    def steps(qkv, f, beta_logits, conv_weight, a_log, dt_bias, conv_state, state):
+        def one(carry, xs):
+            conv_state, state = carry
+            o, conv_state, state = kda.decode_step(
+                xs[0], conv_weight, conv_state, xs[1], a_log, dt_bias, xs[2], state,
+                implementation=implementation, gate_lower_bound=lower_bound, precision=HIGHEST)
+            return (conv_state, state), o
+        (conv_state, state), o = jax.lax.scan(one, (conv_state, state), (qkv, f, beta_logits))
+        return o, conv_state, state
+
+    args = [jnp.asarray(x[n], jnp.float32) for n in ("qkv", "f", "beta_logits", "conv_weight",
+                                                       "a_log", "dt_bias", "conv_state",
+                                                       "state")]
+    if implementation == "xla":
+        return jax.jit(steps)(*args)
+    # tokamax's kernel on the CPU: Pallas's TPU interpreter, the abstract TPU7x mesh for its
+    # VMEM query.
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+    from tokamax.config import cross_compile
+
+    device = AbstractDevice(device_kind="TPU7x", num_cores=1, platform="tpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=device)
+    with cross_compile(True), jax.sharding.use_abstract_mesh(mesh), \
+            pltpu.force_tpu_interpret_mode():
+        traced = jax.jit(steps).trace(*args)
+    return traced.lower(lowering_platforms=("cpu",)).compile()(*args)
+
+
+@pytest.mark.parametrize("lower_bound", [K3_BOUND, None], ids=["k3", "kimi_linear"])
+@pytest.mark.parametrize("implementation", kda.DECODE_IMPLEMENTATIONS)
+def test_every_decode_step_matches_the_float64_layer_step(implementation, lower_bound):
+    """Five tokens over a pool of three slots, K3's bounded and Kimi Linear's unbounded gate;
+    tokamax's fused kernel runs in Pallas's TPU interpreter."""
+    x = decode_inputs(11, steps=5)
+    o_ref, conv_ref, state_ref = decode_reference_f64(x, lower_bound)
+    o, conv_state, state = (np.asarray(a) for a in run_decode(implementation, x, lower_bound))
+    for got, want in ((o, o_ref), (conv_state, conv_ref), (state, state_ref)):
+        np.testing.assert_allclose(got, want, rtol=5e-5, atol=5e-5)
+
+
+def test_auto_decode_step_is_tokamax_on_tpu_only():
+    assert kda.resolve_decode("auto", "tpu") == "tokamax_mosaic"
+    assert kda.resolve_decode("auto", "cpu") == "xla"
+    with pytest.raises(ValueError, match="unknown KDA decode implementation"):
+        kda.resolve_decode("pallas")

@@ -2,7 +2,7 @@
 CPU for K3's lower-bounded gate and Kimi Linear's gates, with the gate each implementation
 refuses recorded; `mosaic` lowered for TPU v7x from this CPU at v7x16's per-device shapes
 inside `shard_map`, and run on the CPU by Pallas's TPU interpreter. The contracts compared here
-are tabulated in `k3text/ops/kda_tokamax.py`."""
+are tabulated in `k3text/ops/kda/tokamax.py`."""
 
 import functools
 
@@ -16,8 +16,9 @@ from tokamax.config import cross_compile
 
 from k3text.config import load_config
 from k3text.layers.attention_kda import decay_gate
-from k3text.ops.kda import kda_recurrent, l2_normalize
-from k3text.ops.kda_tokamax import tokamax_kda
+from k3text.ops.kda import l2_normalize
+from k3text.ops.kda.reference import kda_recurrent
+from k3text.ops.kda.tokamax import tokamax_kda
 
 from helpers import ROOT, tiny_config
 

@@ -9,10 +9,10 @@ from flax import nnx
 from k3text import sharding
 from k3text.config import load_config
 from k3text.inference.engine import place_model
-from k3text.layers import mxfp4
 from k3text.layers.initializers import Init
 from k3text.layers.moe import MoE, expert_param_shapes
 from k3text.models.decoder import Decoder
+from k3text.ops import mxfp4
 
 from helpers import mesh_context, tiny_config
 

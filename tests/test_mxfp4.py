@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from k3text.layers.mxfp4 import (
+from k3text.ops.mxfp4 import (
     FP4_VALUES,
     MXFP4_BLOCK,
     dequantize_mxfp4,

@@ -76,7 +76,8 @@ def test_moe_mode_is_logged(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="k3text.layers.moe"), \
             sharding.use_mesh(ctx.mesh, ctx.rules):
         nnx.jit(lambda m, x: m(x))(moe, jnp.ones((4, cfg.hidden_size)))
-    assert "local expert parallelism over ('expert',)" in caplog.text
+    # 8 slots over 3 experts a device: above auto's threshold (held - 1), the grouped kernel.
+    assert "local expert parallelism over ('expert',), implementation grouped" in caplog.text
 
 
 def test_all_to_all_ragged_transport_lowers_for_tpu():

@@ -41,6 +41,14 @@ class MeshContext:
     def sharding(self, logical: Sequence[str | None]) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(logical))
 
+    def shard_map_mesh(self) -> Mesh | jax.sharding.AbstractMesh:
+        """The mesh `shard_map` should run over: this one, or the ambient abstract mesh of the
+        same shape when one is set. Lowering TPU kernels from another machine sets an abstract
+        mesh of TPU devices (their generation sizes the kernels), and shard_map must then run
+        over that mesh."""
+        ambient = jax.sharding.get_abstract_mesh()
+        return self.mesh if ambient.empty or ambient.shape != self.mesh.shape else ambient
+
     def axes(self, logical: str) -> tuple[str, ...]:
         """Mesh axes (of size > 1) that the logical axis is split over."""
         return tuple(a for a in self.rules.get(logical, ()) if self.mesh.shape[a] > 1)
@@ -54,6 +62,15 @@ class MeshContext:
         for axis in self.axes(logical):
             index = index * self.mesh.shape[axis] + jax.lax.axis_index(axis)
         return index
+
+
+def target_platform() -> str:
+    """The platform programs are being built for: the ambient abstract mesh's device platform
+    when one is set (lowering for TPU from another machine sets a mesh of TPU devices), else
+    JAX's default backend. Backend-dependent choices (`auto` implementations) read this, so a
+    TPU export from a CPU host picks what a TPU would run."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None and device.platform else jax.default_backend()
 
 
 _ACTIVE: list[MeshContext] = []
@@ -206,7 +223,7 @@ def gather_features(pieces: Sequence[jax.Array], features: Sequence[str]) -> lis
         return tuple(out)
 
     replicated = tuple(ctx.spec(("batch",) + (None,) * (x.ndim - 1)) for x in pieces)
-    return list(jax.shard_map(body, mesh=ctx.mesh, in_specs=tuple(specs),
+    return list(jax.shard_map(body, mesh=ctx.shard_map_mesh(), in_specs=tuple(specs),
                               out_specs=replicated, check_vma=False)(*pieces))
 
 

@@ -63,9 +63,9 @@ from k3text import files, sharding
 from k3text.checkpoint import hf
 from k3text.checkpoint.safetensors_io import CheckpointError
 from k3text.config import CHECKPOINT_MODEL_FILE, MODEL_KEYS, Config, ConfigError, config_from_dict
-from k3text.layers import mxfp4
 from k3text.layers.initializers import Init
 from k3text.models.decoder import Decoder
+from k3text.ops import mxfp4
 
 PARAMS_DIR = "params"
 CHUNK_BYTES = 64 << 20

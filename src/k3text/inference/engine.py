@@ -42,8 +42,8 @@ from k3text import sharding
 from k3text.config import Config, ConfigError
 from k3text.inference import sampling
 from k3text.inference.sampling import SlotSampling
-from k3text.inference.state import STATE_AXES, DecodeState, cache_length, state_shapes
 from k3text.models.decoder import Decoder, per_layer_state, split_for_unrolled, stacked_state
+from k3text.models.state import STATE_AXES, DecodeState, cache_length, state_shapes
 
 log = logging.getLogger("k3text.engine")
 

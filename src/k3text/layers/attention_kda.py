@@ -1,5 +1,6 @@
 """KDA (Kimi Delta Attention) layer: projections, short conv, decay/beta gates, delta rule,
-gated output norm. The recurrence itself lives in `k3text.ops.kda`.
+gated output norm. The delta rule and the conv are ops (`k3text.ops.kda`); which
+implementation runs the prefill form is the config's `kda_implementation`.
 
 Two entry points share every projection and gate:
 - `__call__`: a whole sequence or a prefill chunk, chunked delta rule, optionally continuing
@@ -35,18 +36,14 @@ class KDAState(NamedTuple):
 
 
 def decay_gate(cfg: Config, f: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
-    """Log-space per-channel decay g <= 0 from the low-rank projection output f [..., H, K].
+    """Log-space per-channel decay g <= 0 from the low-rank projection output f [..., H, K], in
+    the config's gate form (`k3text.ops.kda.decay_gate`)."""
+    return kda_ops.decay_gate(f, a_log, dt_bias, _lower_bound(cfg))
 
-    Kimi Linear: g = -exp(A_log) * softplus(f + dt_bias).
-    K3 (gate_lower_bound = lb < 0): g = lb * sigmoid(exp(A_log) * (f + dt_bias)), in (lb, 0).
-    """
-    heads, head_dim = f.shape[-2:]
-    x = f.astype(FP32) + dt_bias.astype(FP32).reshape(heads, head_dim)
-    rate = jnp.exp(a_log.astype(FP32))[:, None]
-    lower_bound = cfg.linear_attn_config.gate_lower_bound
-    if lower_bound:
-        return lower_bound * jax.nn.sigmoid(rate * x)
-    return -rate * jax.nn.softplus(x)
+
+def _lower_bound(cfg: Config) -> float | None:
+    """K3's gate_lower_bound, None for Kimi Linear's unbounded gate."""
+    return cfg.linear_attn_config.gate_lower_bound or None
 
 
 def _inverse_softplus_dt(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -94,20 +91,11 @@ class KDAAttention(nnx.Module):
         lin = self.cfg.linear_attn_config
         return x.reshape(*x.shape[:-1], lin.num_heads, lin.head_dim)
 
-    def _gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Decay g [..., H, K] (fp32, <= 0) and beta [..., H] (fp32) from the layer input."""
+    def _gate_inputs(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The raw decay projection f [..., H, K] and beta logits [..., H] of the layer input."""
         cfg = self.cfg
         f = matmul(cfg, matmul(cfg, x, self.f_a_proj[...]), self.f_b_proj[...])
-        g = decay_gate(cfg, self._split_heads(f), self.A_log[...], self.dt_bias[...])
-        beta = jax.nn.sigmoid(matmul(cfg, x, self.b_proj[...]).astype(FP32))
-        return g, beta
-
-    def _qk(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Per-head L2 norm of q and k (fp32; without it the state grows without bound),
-        and the 1/sqrt(K) query scale."""
-        dim = self.cfg.linear_attn_config.head_dim
-        q = kda_ops.l2_normalize(self._split_heads(q)) * dim**-0.5
-        return q, kda_ops.l2_normalize(self._split_heads(k))
+        return self._split_heads(f), matmul(cfg, x, self.b_proj[...])
 
     def _output(self, x: jax.Array, o: jax.Array) -> jax.Array:
         cfg = self.cfg
@@ -126,12 +114,6 @@ class KDAAttention(nnx.Module):
         return jnp.einsum("...d,dpf->...pf", x.astype(dtype), self.qkv_proj[...].astype(dtype),
                           precision=precision(cfg))
 
-    def _mix(self, y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Convolved q, k, v [..., 3, H*K] -> SiLU, then (q, k, v) per head [..., H, K]."""
-        y = jax.nn.silu(y.astype(FP32))
-        q, k = self._qk(y[..., 0, :], y[..., 1, :])
-        return q, k, self._split_heads(y[..., 2, :])
-
     # ---- entry points ---------------------------------------------------------------------
 
     def __call__(self, x: jax.Array, state: KDAState | None = None,
@@ -144,22 +126,27 @@ class KDAAttention(nnx.Module):
         lengths = None if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
         y, conv = kda_ops.causal_conv1d(self._qkv(x), self.qkv_conv[...],
                                         None if state is None else state.conv, lengths=lengths)
-        q, k, v = self._mix(y)
+        q, k, v = kda_ops.mix_qkv(y, cfg.linear_attn_config.num_heads)
         q, k, v = (sharding.constrain(t, ("batch", None, "heads", None)) for t in (q, k, v))
-        g, beta = self._gates(x)
+        f, beta_logits = self._gate_inputs(x)
+        g = decay_gate(cfg, f, self.A_log[...], self.dt_bias[...])
+        beta = jax.nn.sigmoid(beta_logits.astype(FP32))
         if valid is not None:  # padding tokens: no decay, no write
             g = jnp.where(valid[:, :, None, None], g, 0.0)
             beta = jnp.where(valid[:, :, None], beta, 0.0)
         initial = None if state is None else state.recurrent
-        o, recurrent = kda_ops.kda_chunked(q, k, v, g, beta, initial_state=initial,
-                                           chunk_size=cfg.kda_chunk_size, precision=prec)
+        o, recurrent = kda_ops.prefill(
+            q, k, v, g, beta, implementation=cfg.kda_implementation, initial_state=initial,
+            chunk_size=cfg.kda_chunk_size,
+            gate_lower_bound=_lower_bound(cfg), precision=prec)
         return self._output(x, o), KDAState(recurrent, conv)
 
     def step(self, x: jax.Array, state: KDAState) -> tuple[jax.Array, KDAState]:
         """One decode token per sequence: x [B, hidden] -> (y [B, hidden], new state)."""
-        prec = precision(self.cfg)
-        y, conv = kda_ops.causal_conv1d_step(self._qkv(x), self.qkv_conv[...], state.conv)
-        q, k, v = self._mix(y)
-        g, beta = self._gates(x)
-        o, recurrent = kda_ops.kda_step(q, k, v, g, beta, state.recurrent, precision=prec)
+        cfg = self.cfg
+        f, beta_logits = self._gate_inputs(x)
+        o, conv, recurrent = kda_ops.decode_step(
+            self._qkv(x), self.qkv_conv[...], state.conv, f, self.A_log[...], self.dt_bias[...],
+            beta_logits, state.recurrent, implementation=cfg.kda_decode_implementation,
+            gate_lower_bound=_lower_bound(cfg), precision=precision(cfg))
         return self._output(x, o), KDAState(recurrent, conv)

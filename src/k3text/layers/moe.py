@@ -4,12 +4,9 @@ projection).
 
 Expert computation never gathers expert weights per token across the mesh (GSPMD would
 materialise full-size temporaries on every device). Instead each device works on the experts it
-holds, inside `shard_map`:
-- `experts_grouped`: assignments sorted by expert and two grouped matmuls
-  (`jax.lax.ragged_dot_general`) over the local experts; for prefill and large batches;
-- `experts_gathered`: a loop over the few routed (token, expert) slots that touches and
-  dequantises only the experts actually hit; for decode, where cost must follow experts hit,
-  not experts held.
+holds, inside `shard_map`, with one of the kernels of `k3text.ops.experts` (`grouped` ragged_dot
+matmuls over held experts for prefill and large batches, `gathered` over the experts hit for
+decode, or `reference`), chosen by `moe_expert_implementation` (`expert_implementation`).
 Expert parallelism (`moe_ep_mode`):
 - `local`: tokens replicated over the expert axes, each device computes its local experts, one
   `psum` combines;
@@ -19,9 +16,10 @@ Expert parallelism (`moe_ep_mode`):
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,60 +27,17 @@ from flax import nnx
 
 from k3text import sharding
 from k3text.config import Config
-from k3text.layers import linears, mxfp4
+from k3text.layers import moe_dispatch
 from k3text.layers.activations import glu
 from k3text.layers.initializers import FP32, Init, compute_dtype, precision, weight_dtype
 from k3text.layers.linears import matmul
 from k3text.layers.mlp import MLP
 from k3text.layers.normalizations import rms_norm
+from k3text.ops import experts as expert_ops
+from k3text.ops import mxfp4
+from k3text.ops.experts import ExpertFFN, LayerExperts
 
 log = logging.getLogger(__name__)
-
-
-class LayerExperts(NamedTuple):
-    """The routed-expert weights of one MoE layer, addressed inside the stack they live in.
-
-    Stacked form: `arrays` keep a leading [layers] axis (the scanned group's stack; [1] for a
-    layer outside any scan) and `layer` picks one entry. Kernels index (layer, expert) in one
-    gather, so a decode step reads the experts it hits straight out of the stack. Slicing a
-    layer's experts out first, which is what a scan over stacked parameters does, copies every
-    expert the layer holds on every step: cost would follow experts held, not experts hit.
-
-    Split form (unrolled layers on one expert shard; see `decoder.split_for_unrolled`): each
-    name holds a tuple of per-expert arrays and `layer` is unused. The hit-experts kernel then
-    switches to the expert's own branch and multiplies its arrays in place: XLA:CPU copies any
-    slice that feeds a dot, so even a one-expert slice costs a write and a reread.
-    """
-
-    arrays: dict[str, jax.Array | tuple[jax.Array, ...]]  # [layers, experts, out, in] or split
-    layer: jax.Array  # int32 scalar
-
-    @property
-    def split(self) -> bool:
-        return isinstance(next(iter(self.arrays.values())), tuple)
-
-    @property
-    def held(self) -> int:
-        first = next(iter(self.arrays.values()))
-        return len(first) if self.split else first.shape[1]
-
-    @staticmethod
-    def of(arrays: dict[str, Any], stack_index: Any = None) -> LayerExperts:
-        """The experts of one layer from its parameter values: a whole stack and this layer's
-        `stack_index` in it, a split layer, or one layer's [experts, ...] arrays."""
-        if stack_index is not None:
-            return LayerExperts(arrays, jnp.asarray(stack_index, jnp.int32))
-        if isinstance(next(iter(arrays.values())), tuple):
-            return LayerExperts(arrays, jnp.int32(0))
-        return LayerExperts({name: a[None] for name, a in arrays.items()}, jnp.int32(0))
-
-
-# x [M, in] . w [G, out, in] -> [M, out], rows of x grouped by expert.
-_RAGGED_DIMS = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((1,), (2,)), ((), ())),
-    lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[0],
-)
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,127 +78,30 @@ def route(cfg: Config, scores: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 # --------------------------------------------------------------------------------------------
-# Expert weights.
+# Expert kernels.
 # --------------------------------------------------------------------------------------------
 
 
-def expert_matrices(cfg: Config, experts: LayerExperts, index: jax.Array | None = None,
-                    ) -> tuple[jax.Array, jax.Array]:
-    """(gate_up [n, 2I, D], down [n, D, I]) in the compute dtype, for the experts at `index`
-    (all held experts when None). Packed MXFP4 experts are narrowed first, then dequantised,
-    so only the selected experts are ever expanded."""
-    def pick(name: str) -> jax.Array:
-        a = experts.arrays[name]
-        if experts.split:  # the grouped kernel over split experts restacks them (a copy)
-            a = jnp.stack(a)
-            return a if index is None else a[index]
-        if index is None:
-            return jax.lax.dynamic_index_in_dim(a, experts.layer, 0, keepdims=False)
-        return a[experts.layer, index]
-
-    return _dequantized(cfg, pick)
+def expert_ffn(cfg: Config) -> ExpertFFN:
+    """The routed experts' numerics: the config's GLU, compute dtype and precision."""
+    return ExpertFFN(functools.partial(glu, cfg), compute_dtype(cfg), precision(cfg))
 
 
-def _dequantized(cfg: Config, pick: Any) -> tuple[jax.Array, jax.Array]:
-    """(gate_up, down) in the compute dtype from `pick(name)`, the stored arrays by name."""
-    dtype = compute_dtype(cfg)
-    if cfg.expert_weight_format == "mxfp4":
-        gate_up = mxfp4.dequantize_mxfp4(pick("gate_up_packed"), pick("gate_up_scale"), dtype)
-        down = mxfp4.dequantize_mxfp4(pick("down_packed"), pick("down_scale"), dtype)
-        return gate_up, down
-    return pick("gate_up").astype(dtype), pick("down").astype(dtype)
-
-
-def _expert_glu(cfg: Config, h: jax.Array) -> jax.Array:
-    width = cfg.moe_intermediate_size
-    return glu(cfg, h[..., :width], h[..., width:])
-
-
-def experts_grouped(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: jax.Array,
-                    experts: LayerExperts) -> jax.Array:
-    """Weighted sum over each token's routed experts that live in `experts`.
-
-    x [N, D]; weights, local_ids [N, k] with ids relative to the first held expert (ids outside
-    [0, held) belong to other devices and contribute nothing). Rows are sorted by expert and
-    pushed through two grouped matmuls over the held experts.
-    """
-    held = experts.held
-    k = local_ids.shape[-1]
-    flat_ids = local_ids.reshape(-1)
-    here = (flat_ids >= 0) & (flat_ids < held)
-    order = jnp.argsort(jnp.where(here, flat_ids, held), stable=True)
-    token = order // k
-    group_sizes = jnp.bincount(jnp.where(here, flat_ids, held), length=held + 1)[:held]
-    gate_up, down = expert_matrices(cfg, experts)
-    dtype, prec = compute_dtype(cfg), precision(cfg)
-    rows = jnp.take(x, token, axis=0).astype(dtype)
-    h = jax.lax.ragged_dot_general(rows, gate_up, group_sizes.astype(jnp.int32), _RAGGED_DIMS,
-                                   precision=prec, preferred_element_type=FP32)
-    y = jax.lax.ragged_dot_general(_expert_glu(cfg, h).astype(dtype), down,
-                                   group_sizes.astype(jnp.int32), _RAGGED_DIMS, precision=prec,
-                                   preferred_element_type=FP32)
-    w = jnp.where(here, weights.reshape(-1), 0.0)[order]
-    return jnp.zeros(x.shape, FP32).at[token].add(y * w[:, None])
-
-
-def experts_gathered(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: jax.Array,
-                     experts: LayerExperts) -> jax.Array:
-    """Same result as `experts_grouped`, touching only the experts tokens were routed to.
-
-    A scan over the N*k routed slots: each held slot narrows the expert weights to one expert,
-    dequantises it and applies it to one token; slots owned by other devices are skipped. Cost
-    and temporaries follow the number of slots, not the number of experts held.
-    """
-    held = experts.held
-    dtype, prec = compute_dtype(cfg), precision(cfg)
-    k = local_ids.shape[-1]
-
-    # Expert matrices are [out, in], the layout `linears.matvec` wants. A packed MXFP4 matrix
-    # would be re-decoded inside that fused loop, which loses to decoding it once.
-    def expert_matvec(w: jax.Array, v: jax.Array) -> jax.Array:
-        if cfg.expert_weight_format == "mxfp4":
-            return jnp.dot(w, v, precision=prec, preferred_element_type=FP32)
-        return linears.matvec(v, w, prec, preferred_element_type=FP32)
-
-    def ffn(gate_up: jax.Array, down: jax.Array, row: jax.Array) -> jax.Array:
-        return expert_matvec(down, _expert_glu(cfg, expert_matvec(gate_up, row)).astype(dtype))
-
-    def expert_branch(e: int):
-        return lambda row: ffn(*_dequantized(cfg, lambda name: experts.arrays[name][e]), row)
-
-    def one_slot(out, slot):
-        token, expert, weight = slot // k, local_ids.reshape(-1)[slot], weights.reshape(-1)[slot]
-        here = (expert >= 0) & (expert < held)
-        expert = jnp.clip(expert, 0, held - 1)
-
-        def apply(out):
-            row = x[token].astype(dtype)
-            if experts.split:
-                y = jax.lax.switch(expert, [expert_branch(e) for e in range(held)], row)
-            else:
-                gate_up, down = expert_matrices(cfg, experts, expert[None])
-                y = ffn(gate_up[0], down[0], row)
-            return out.at[token].add(weight * y)
-
-        if held == cfg.num_experts:  # every expert is here: nothing to skip
-            return apply(out), None
-        return jax.lax.cond(here, apply, lambda out: out, out), None
-
-    out, _ = jax.lax.scan(one_slot, jnp.zeros(x.shape, FP32), jnp.arange(local_ids.size))
-    return out
-
-
-def use_gathered(cfg: Config, slots: int, held: int) -> bool:
-    """Pick the hit-experts loop when there are fewer routed slots than held experts."""
-    threshold = cfg.moe_dense_threshold or held - 1
-    return slots <= threshold
-
-
-def experts_local(cfg: Config, x: jax.Array, weights: jax.Array, local_ids: jax.Array,
-                  experts: LayerExperts) -> jax.Array:
-    fn = experts_gathered if use_gathered(cfg, local_ids.size, experts.held) else \
-        experts_grouped
-    return fn(cfg, x, weights, local_ids, experts)
+def expert_implementation(cfg: Config, ctx: sharding.MeshContext | None, tokens: int) -> str:
+    """The `k3text.ops.experts` kernel each device runs for `tokens` routed tokens (global)
+    under `ctx`: `moe_expert_implementation`, or for `auto` the `moe_dense_threshold` rule
+    asked with the slots and experts one device sees."""
+    k = cfg.num_experts_per_token
+    ep = 1 if ctx is None else ctx.size("exp")
+    if ep == 1:
+        slots, held = tokens * k, cfg.num_experts
+    elif cfg.moe_ep_mode == "all_to_all":
+        slots = moe_dispatch.received_rows(tokens // ctx.size("batch"), k, ep)
+        held = cfg.num_experts // ep
+    else:
+        slots, held = tokens * k // ctx.size("batch"), cfg.num_experts // ep
+    return expert_ops.resolve_implementation(cfg.moe_expert_implementation, slots, held,
+                                             cfg.moe_dense_threshold)
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,22 +125,21 @@ def routed_experts(cfg: Config, x: jax.Array, weights: jax.Array, ids: jax.Array
                    experts: LayerExperts, param_axes: dict[str, tuple]) -> jax.Array:
     """Σ_k weights · expert_ids(x) for x [N, D], on whatever mesh is active."""
     ctx = sharding.active()
-    slots = ids.size
+    implementation = expert_implementation(cfg, ctx, ids.shape[0])
+    ffn = expert_ffn(cfg)
     if ctx is None or ctx.size("exp") == 1:
-        path = "gathered" if use_gathered(cfg, slots, cfg.num_experts) else "ragged_dot"
-        _logged(cfg, f"unsharded, {path}")
-        return experts_local(cfg, x, weights, ids, experts)
+        _logged(cfg, f"unsharded, implementation {implementation}")
+        return expert_ops.routed_experts(x, weights, ids, experts, ffn, implementation,
+                                         all_ids_held=experts.held == cfg.num_experts)
+    specs = expert_specs(ctx, param_axes)
     if cfg.moe_ep_mode == "all_to_all":
-        from k3text.layers import moe_dispatch
-
         _logged(cfg, f"all_to_all over {ctx.axes('exp')}, transport "
-                     f"{moe_dispatch.transport(cfg)}")
-        return moe_dispatch.experts_all_to_all(cfg, ctx, x, weights, ids, experts, param_axes)
-    held = cfg.num_experts // ctx.size("exp")
-    path = "gathered" if use_gathered(cfg, slots // max(1, ctx.size("batch")), held) else \
-        "ragged_dot"
-    _logged(cfg, f"local expert parallelism over {ctx.axes('exp')}, {path}, psum combine")
-    return _experts_local_ep(cfg, ctx, x, weights, ids, experts, param_axes)
+                     f"{moe_dispatch.transport(cfg)}, implementation {implementation}")
+        return moe_dispatch.experts_all_to_all(cfg, ctx, x, weights, ids, experts, specs, ffn,
+                                               implementation)
+    _logged(cfg, f"local expert parallelism over {ctx.axes('exp')}, implementation "
+                 f"{implementation}, psum combine")
+    return _experts_local_ep(cfg, ctx, x, weights, ids, experts, specs, ffn, implementation)
 
 
 def expert_specs(ctx: sharding.MeshContext, param_axes: dict[str, tuple]) -> LayerExperts:
@@ -292,20 +149,20 @@ def expert_specs(ctx: sharding.MeshContext, param_axes: dict[str, tuple]) -> Lay
 
 
 def _experts_local_ep(cfg: Config, ctx: sharding.MeshContext, x: jax.Array, weights: jax.Array,
-                      ids: jax.Array, experts: LayerExperts,
-                      param_axes: dict[str, tuple]) -> jax.Array:
+                      ids: jax.Array, experts: LayerExperts, specs: LayerExperts,
+                      ffn: ExpertFFN, implementation: str) -> jax.Array:
     held = cfg.num_experts // ctx.size("exp")
     token_spec = ctx.spec(("batch", None))
     exp_axes = ctx.axes("exp")
 
     def body(x, weights, ids, experts):
         first = ctx.axis_index("exp") * held
-        partial = experts_local(cfg, x, weights, ids - first, experts)
+        partial = expert_ops.routed_experts(x, weights, ids - first, experts, ffn,
+                                            implementation)
         return jax.lax.psum(partial, exp_axes)
 
-    return jax.shard_map(body, mesh=ctx.mesh,
-                         in_specs=(token_spec, token_spec, token_spec,
-                                   expert_specs(ctx, param_axes)),
+    return jax.shard_map(body, mesh=ctx.shard_map_mesh(),
+                         in_specs=(token_spec, token_spec, token_spec, specs),
                          out_specs=token_spec, check_vma=False)(x, weights, ids, experts)
 
 

@@ -23,14 +23,22 @@ import jax.numpy as jnp
 
 from k3text import sharding
 from k3text.config import Config
-from k3text.layers import moe
+from k3text.ops import experts as expert_ops
+from k3text.ops.experts import ExpertFFN, LayerExperts
 
 
 def transport(cfg: Config) -> str:
     """The transport that runs: `ragged` on TPU (or when asked), `padded` elsewhere."""
     if cfg.moe_a2a_transport != "auto":
         return cfg.moe_a2a_transport
-    return "ragged" if jax.default_backend() == "tpu" else "padded"
+    return "ragged" if sharding.target_platform() == "tpu" else "padded"
+
+
+def received_rows(tokens: int, k: int, devices: int) -> int:
+    """Rows each device of a `devices`-wide expert group receives and runs its experts on, for
+    `tokens` tokens (its batch shard) with `k` routed slots each: one capacity-padded block of
+    every group device's token slice (both transports allocate the padded size)."""
+    return devices * -(-tokens // devices) * k
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
@@ -97,9 +105,12 @@ def _flat_index(axes: tuple) -> jax.Array:
 
 
 def experts_all_to_all(cfg: Config, ctx: sharding.MeshContext, x: jax.Array,
-                       weights: jax.Array, ids: jax.Array, experts: moe.LayerExperts,
-                       param_axes: dict[str, tuple]) -> jax.Array:
-    """Σ_k weights · expert_ids(x) for x [N, D] replicated over the expert axes."""
+                       weights: jax.Array, ids: jax.Array, experts: LayerExperts,
+                       specs: LayerExperts, ffn: ExpertFFN, implementation: str) -> jax.Array:
+    """Σ_k weights · expert_ids(x) for x [N, D] replicated over the expert axes.
+
+    `specs`: the shard_map in_specs of `experts`; each device runs the `implementation` kernel
+    of `k3text.ops.experts` on the `received_rows` it receives."""
     axes = ctx.axes("exp")
     n = ctx.size("exp")
     held = cfg.num_experts // n
@@ -124,15 +135,14 @@ def experts_all_to_all(cfg: Config, ctx: sharding.MeshContext, x: jax.Array,
         rows = x_mine[order // k]
         expert = jnp.where(flat[order] >= 0, flat[order] % held, -1)
         recv, recv_ids, how = exchange(rows, expert, dest[order], axes, n)
-        results = moe.experts_local(cfg, recv, jnp.ones((recv.shape[0], 1), jnp.float32),
-                                    recv_ids[:, None], experts)
+        results = expert_ops.routed_experts(recv, jnp.ones((recv.shape[0], 1), jnp.float32),
+                                            recv_ids[:, None], experts, ffn, implementation)
         returned = give_back(results, how, axes, n)
         w = w_mine.reshape(-1)[order]
         mine = jnp.zeros((local, x.shape[1]), jnp.float32).at[order // k].add(
             returned * w[:, None])
         return jax.lax.all_gather(mine, axes, tiled=True)[:tokens]
 
-    return jax.shard_map(body, mesh=ctx.mesh,
-                         in_specs=(token_spec, token_spec, token_spec,
-                                   moe.expert_specs(ctx, param_axes)),
+    return jax.shard_map(body, mesh=ctx.shard_map_mesh(),
+                         in_specs=(token_spec, token_spec, token_spec, specs),
                          out_specs=token_spec, check_vma=False)(x, weights, ids, experts)

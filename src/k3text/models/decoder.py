@@ -26,7 +26,6 @@ from flax import nnx
 
 from k3text import sharding
 from k3text.config import Config, LayerSpec, ModelStructure
-from k3text.inference.state import DecodeState
 from k3text.layers import attn_res
 from k3text.layers.attention_kda import KDAAttention, KDAState
 from k3text.layers.attention_mla import MLAAttention
@@ -35,6 +34,7 @@ from k3text.layers.initializers import Init, weight_dtype
 from k3text.layers.mlp import MLP
 from k3text.layers.moe import MoE
 from k3text.layers.normalizations import RMSNorm
+from k3text.models.state import DecodeState
 
 # (mixer, spec, kda slot, mla slot, normed input, state) -> (mixer output, state)
 MixerRun = Callable[[nnx.Module, LayerSpec, Any, Any, jax.Array, Any], tuple[jax.Array, Any]]
@@ -62,7 +62,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, stream: Any, layer_index: Any, kda_slot: Any, mla_slot: Any,
                  state: Any, run: MixerRun, stack_index: Any = None) -> tuple[Any, Any]:
         """`stack_index`: this layer's position in its scanned group's stack, given when the
-        routed experts were handed over as that whole stack (see `moe.LayerExperts`)."""
+        routed experts were handed over as that whole stack (see `ops.experts.LayerExperts`)."""
         cfg = self.cfg
 
         # Sublayer inputs and outputs are pinned whole on every tensor-parallel device
@@ -174,7 +174,8 @@ class Decoder(nnx.Module):
         carry = (stream, state)
         if self.cfg.scan_layers:
             # Routed experts stay whole (closed over, not scanned): the MoE indexes (layer,
-            # expert) itself, so a step reads only the experts it hits (`moe.LayerExperts`).
+            # expert) itself, so a step reads only the experts it hits
+            # (`ops.experts.LayerExperts`).
             def scanned(carry, xs):
                 g, group_params = xs
                 return body(carry, g, (experts, group_params), g), None
@@ -284,8 +285,8 @@ def split_for_unrolled(params: nnx.State, split_experts: bool) -> nnx.State:
     A compiled program that slices a weight out of a larger array copies it (XLA:CPU
     materialises every slice that feeds a dot), so an unrolled decode step over stacked weights
     writes and rereads them all, and each hit expert is copied before its matmul. Split once
-    here, every weight is read in place (`moe.LayerExperts`). A scanned program (TPU) fuses its
-    slices into their consumers and keeps the stacks."""
+    here, every weight is read in place (`ops.experts.LayerExperts`). A scanned program (TPU)
+    fuses its slices into their consumers and keeps the stacks."""
     flat = nnx.to_flat_state(params)
     levels = {}
     for path, var in flat:

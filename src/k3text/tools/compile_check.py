@@ -10,7 +10,9 @@ bytes per device, the ten largest, and a `!!` line for any that moves a paramete
 `--serving` adds the server's programs at the configured slot count (a prefill chunk into a
 `serve_prefill_batch`-row prefix, its insert into the pool, one `generate` call of
 `serve_steps_per_call` steps). `--tpu` also lowers every program for TPU (`jax.export`,
-platforms=["tpu"]) from this machine, so nothing CPU-only hides in the production path. Weight
+platforms=["tpu"]) from this machine, so nothing CPU-only hides in the production path: under an
+abstract mesh of TPU v7x devices, so `auto` implementations pick what a TPU runs (tokamax's
+Mosaic KDA kernels), and it prints how many Mosaic kernel calls each program holds. Weight
 and state bytes are also computed from the real shardings (shard shape x itemsize), which is
 what `argument` should match.
 """
@@ -35,9 +37,9 @@ def abstract_inputs(cfg: Config, ctx: Any) -> dict[str, Any]:
     from flax import nnx
 
     from k3text import sharding
-    from k3text.inference.state import STATE_AXES, state_shapes
     from k3text.layers.initializers import Init
     from k3text.models.decoder import Decoder
+    from k3text.models.state import STATE_AXES, state_shapes
 
     graphdef, params = nnx.split(Decoder(cfg, Init(abstract=True)))
     shardings = sharding.state_shardings(params, ctx)
@@ -106,7 +108,7 @@ def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
     from k3text import sharding
     from k3text.inference import engine
     from k3text.inference.sampling import SlotSampling
-    from k3text.inference.state import STATE_AXES, state_shapes
+    from k3text.models.state import STATE_AXES, state_shapes
 
     def abstract(shapes: Any, axes: Any) -> Any:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -157,6 +159,26 @@ def decode_step_collectives(cfg: Config) -> collectives.Report:
         fn, args = programs(abstract_inputs(cfg, ctx))["decode step"]
         compiled, partitioned = collectives.partitioned_hlo(fn.lower(*args))
     return collectives.read(compiled.as_text(), partitioned_module=partitioned)
+
+
+def export_for_tpu(fn: Any, args: tuple, mesh: Any, device_kind: str = "TPU7x") -> str:
+    """`fn(*args)` exported for TPU from this host, as StableHLO text.
+
+    Traced under an abstract mesh of `device_kind` devices shaped like `mesh`: `auto`
+    implementations then resolve for TPU (`sharding.target_platform`), and tokamax's kernels
+    size themselves for that generation; `cross_compile` lets tokamax lower them without one.
+    """
+    import jax
+    from jax.sharding import AbstractDevice, AbstractMesh
+    from tokamax.config import cross_compile
+
+    device = AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+    target = AbstractMesh(tuple(mesh.shape.values()), tuple(mesh.axis_names),
+                          tuple(mesh.axis_types), abstract_device=device)
+    checks = [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
+    with cross_compile(True), jax.sharding.use_abstract_mesh(target):
+        return jax.export.export(fn, platforms=["tpu"], disabled_checks=checks)(*args) \
+            .mlir_module()
 
 
 def check(cfg: Config, tpu: bool = False, serving: bool = False,
@@ -211,9 +233,10 @@ def check(cfg: Config, tpu: bool = False, serving: bool = False,
                                              layers=cfg.num_hidden_layers):
                 print(line, file=out)
             if tpu:
-                exported = jax.export.export(fn, platforms=["tpu"])(*args)
-                print(f"{'':14s} lowers for TPU: {len(exported.mlir_module()) / 1e6:.1f} MB of "
-                      f"StableHLO", file=out)
+                module = export_for_tpu(fn, args, mesh)
+                results[name]["tpu_kernels"] = module.count("tpu_custom_call")
+                print(f"{'':14s} lowers for TPU: {len(module) / 1e6:.1f} MB of StableHLO, "
+                      f"{results[name]['tpu_kernels']} Mosaic kernel calls", file=out)
     return results
 
 

@@ -26,7 +26,7 @@ from jax.sharding import AbstractMesh
 
 from k3text import sharding
 from k3text.config import Config, ConfigError
-from k3text.inference.state import STATE_AXES, DecodeState, bytes_per_sequence, state_shapes
+from k3text.models.state import STATE_AXES, DecodeState, bytes_per_sequence, state_shapes
 from k3text.tools import cli, inventory
 from k3text.tools.hardware import HARDWARE, HARDWARE_HEADERS, hardware_rows
 from k3text.tools.inventory import COMPONENTS, Tensor

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from k3text.config import Config
-from k3text.inference.state import bytes_per_sequence
-from k3text.layers import mxfp4
+from k3text.models.state import bytes_per_sequence
+from k3text.ops import mxfp4
 from k3text.tools import cli, inventory
 from k3text.tools.hardware import (
     HARDWARE,

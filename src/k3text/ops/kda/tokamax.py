@@ -1,5 +1,6 @@
 """tokamax's Kimi Delta Attention (`tokamax.ops.kimi_delta_attention`, tokamax 0.0.17) called in
-k3text's layouts, so it can be held against `k3text.ops.kda.kda_recurrent` on the same arrays.
+k3text's layouts, so it can be held against `k3text.ops.kda.reference.kda_recurrent` on the same
+arrays.
 
 Where tokamax's contract differs from `k3text.ops.kda`:
 

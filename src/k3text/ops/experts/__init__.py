@@ -1,0 +1,54 @@
+"""Routed experts: Σ_k weight_k · expert_{id_k}(x) over the experts one device holds.
+
+`routed_experts` is the entry point; the kernels behind it compute the same sum and differ in
+what their cost follows:
+- `grouped`: slots sorted by expert, two grouped matmuls (`ragged_dot`) over every held expert;
+- `gathered`: a loop over the routed slots touching only the experts hit (decode);
+- `reference`: every held expert on every token, combined densely; the tests' yardstick.
+`resolve_implementation` turns the `auto` setting into one of them. The weights come as
+`LayerExperts` (stacked or split per expert, BF16 or packed MXFP4) and the numerics as
+`ExpertFFN`, so this package needs no config and no layer.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from k3text.ops.experts.base import ExpertFFN, LayerExperts
+from k3text.ops.experts.gathered import gathered
+from k3text.ops.experts.grouped import grouped
+from k3text.ops.experts.reference import reference
+
+__all__ = ["IMPLEMENTATIONS", "ExpertFFN", "LayerExperts", "resolve_implementation",
+           "routed_experts"]
+
+IMPLEMENTATIONS = ("grouped", "gathered", "reference")
+
+
+def resolve_implementation(setting: str, slots: int, held: int, dense_threshold: int) -> str:
+    """The kernel for `slots` routed slots over `held` experts: `setting` itself, or for `auto`
+    the hit-experts loop up to `dense_threshold` slots (0: held - 1, where ragged_dot starts to
+    be a real grouped matmul) and the grouped matmuls above."""
+    if setting != "auto":
+        return setting
+    threshold = dense_threshold or held - 1
+    return "gathered" if slots <= threshold else "grouped"
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, local_ids: jax.Array,
+                   experts: LayerExperts, ffn: ExpertFFN, implementation: str, *,
+                   all_ids_held: bool = False) -> jax.Array:
+    """Weighted sum over each token's routed experts that live in `experts`, float32 [N, D].
+
+    x [N, D]; weights, local_ids [N, k] with ids relative to the first held expert: ids outside
+    [0, held) belong to other devices and contribute nothing. `all_ids_held` promises none is
+    outside (every expert of the layer is here), which lets `gathered` skip its per-slot test.
+    """
+    if implementation == "grouped":
+        return grouped(x, weights, local_ids, experts, ffn)
+    if implementation == "gathered":
+        return gathered(x, weights, local_ids, experts, ffn, all_ids_held)
+    if implementation == "reference":
+        return reference(x, weights, local_ids, experts, ffn)
+    raise ValueError(f"unknown expert implementation {implementation!r}; "
+                     f"expected one of {list(IMPLEMENTATIONS)}")

@@ -1,0 +1,57 @@
+"""Hit-experts kernel: a loop over the routed (token, expert) slots that touches and dequantises
+only the experts actually hit; for decode, where cost must follow experts hit, not experts
+held."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from k3text.ops.experts.base import FP32, ExpertFFN, LayerExperts
+from k3text.ops.linear import project_out_in
+
+
+def gathered(x: jax.Array, weights: jax.Array, local_ids: jax.Array, experts: LayerExperts,
+             ffn: ExpertFFN, all_ids_held: bool) -> jax.Array:
+    """Σ over each token's routed slots held here of weight · expert(x); see `routed_experts`.
+
+    A scan over the N*k routed slots: each held slot narrows the expert weights to one expert
+    (split experts: switches to that expert's branch), dequantises it and applies it to one
+    token; slots owned by other devices are skipped (untested when `all_ids_held`). Cost and
+    temporaries follow the number of slots, not the number of experts held.
+    """
+    held = experts.held
+    k = local_ids.shape[-1]
+
+    # Expert matrices are [out, in]; one row is one token.
+    def matvec(w: jax.Array, v: jax.Array) -> jax.Array:
+        return project_out_in(v, w, ffn.precision, FP32, computed_kernel=experts.packed)
+
+    def apply_expert(gate_up: jax.Array, down: jax.Array, row: jax.Array) -> jax.Array:
+        return matvec(down, ffn.glu(matvec(gate_up, row)).astype(ffn.dtype))
+
+    def expert_branch(e: int) -> Callable[[jax.Array], jax.Array]:
+        return lambda row: apply_expert(*experts.expert(e, ffn.dtype), row)
+
+    def one_slot(out: jax.Array, slot: jax.Array) -> tuple[jax.Array, None]:
+        token, expert, weight = slot // k, local_ids.reshape(-1)[slot], weights.reshape(-1)[slot]
+        here = (expert >= 0) & (expert < held)
+        expert = jnp.clip(expert, 0, held - 1)
+
+        def apply(out: jax.Array) -> jax.Array:
+            row = x[token].astype(ffn.dtype)
+            if experts.split:
+                y = jax.lax.switch(expert, [expert_branch(e) for e in range(held)], row)
+            else:
+                gate_up, down = experts.matrices(ffn.dtype, expert[None])
+                y = apply_expert(gate_up[0], down[0], row)
+            return out.at[token].add(weight * y)
+
+        if all_ids_held:
+            return apply(out), None
+        return jax.lax.cond(here, apply, lambda out: out, out), None
+
+    out, _ = jax.lax.scan(one_slot, jnp.zeros(x.shape, FP32), jnp.arange(local_ids.size))
+    return out

@@ -1,0 +1,159 @@
+"""Every routed-expert kernel of `k3text.ops.experts` (grouped, gathered, reference; experts
+stacked inside a layer stack or split per expert) against the routed weighted sum computed
+independently in float64 numpy, on the same small cases: BF16 and MXFP4 experts, k = 1 and
+k > 1, slots routed to experts held elsewhere. Then the `auto` rule and the config key that
+picks a kernel for the MoE layer."""
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3text.config import ConfigError
+from k3text.layers import moe as moe_module
+from k3text.layers.initializers import Init
+from k3text.layers.moe import MoE
+from k3text.ops import experts
+from k3text.ops.experts import ExpertFFN, LayerExperts
+
+from helpers import tiny_config
+
+TOKENS, HIDDEN, WIDTH, HELD = 5, 64, 32, 4  # MXFP4 packs 32-element blocks along `in`
+FFN = ExpertFFN(lambda gate, up: jax.nn.silu(gate) * up, jnp.float32,
+                jax.lax.Precision.HIGHEST)
+
+
+def np_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """MXFP4 by its definition: low nibble first, E2M1 code = sign bit + magnitude index, one
+    power-of-two scale 2^(byte - 127) per 32 inputs."""
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    magnitude = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)[codes & 7]
+    values = np.where(codes & 8, -magnitude, magnitude)
+    return values * np.repeat(2.0 ** (scale.astype(np.float64) - 127), 32, axis=-1)
+
+
+def random_experts(fmt: str, rng: np.random.Generator) -> tuple[dict, np.ndarray, np.ndarray]:
+    """One layer's experts in storage form and as float64 (gate_up [E, 2I, D], down [E, D, I])."""
+    shapes = {"gate_up": (HELD, 2 * WIDTH, HIDDEN), "down": (HELD, HIDDEN, WIDTH)}
+    arrays, dense = {}, {}
+    for name, shape in shapes.items():
+        if fmt == "bf16":
+            w = jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[-1]), jnp.bfloat16)
+            arrays[name], dense[name] = w, np.asarray(w, np.float64)
+        else:
+            packed = rng.integers(0, 256, (*shape[:-1], shape[-1] // 2), dtype=np.uint8)
+            # 2^-3 .. 2^-5 keeps activations O(1) with E2M1 magnitudes up to 6.
+            scale = rng.integers(122, 125, (*shape[:-1], shape[-1] // 32), dtype=np.uint8)
+            arrays[f"{name}_packed"], arrays[f"{name}_scale"] = (jnp.asarray(packed),
+                                                                 jnp.asarray(scale))
+            dense[name] = np_mxfp4(packed, scale)
+    return arrays, dense["gate_up"], dense["down"]
+
+
+def np_routed(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, gate_up: np.ndarray,
+              down: np.ndarray) -> np.ndarray:
+    """Σ_k weight · down[e] @ (silu(gate) * up) of gate_up[e] @ x, over the slots held here."""
+    out = np.zeros_like(x)
+    for n, (row, token_weights, token_ids) in enumerate(zip(x, weights, ids, strict=True)):
+        for w, e in zip(token_weights, token_ids, strict=True):
+            if 0 <= e < len(gate_up):
+                h = gate_up[e] @ row
+                gate, up = h[:WIDTH], h[WIDTH:]
+                out[n] += w * (down[e] @ (gate / (1 + np.exp(-gate)) * up))
+    return out
+
+
+def layouts(arrays: dict, rng: np.random.Generator) -> dict[str, LayerExperts]:
+    """The same experts as the kernels meet them: layer 1 of a two-layer stack (layer 0 other
+    values), and split into per-expert arrays."""
+    def stack(a):
+        other = jnp.asarray(rng.permutation(np.asarray(a).reshape(-1)).reshape(a.shape))
+        return jnp.stack([other, a])
+
+    return {
+        "stacked": LayerExperts.of({name: stack(a) for name, a in arrays.items()}, 1),
+        "split": LayerExperts.of({name: tuple(a) for name, a in arrays.items()}),
+    }
+
+
+@pytest.fixture(scope="module", params=["bf16", "mxfp4"])
+def case(request):
+    rng = np.random.default_rng(0 if request.param == "bf16" else 1)
+    arrays, gate_up, down = random_experts(request.param, rng)
+    x = rng.normal(size=(TOKENS, HIDDEN))
+    return layouts(arrays, rng), gate_up, down, x, rng
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("layout", ["stacked", "split"])
+@pytest.mark.parametrize("implementation", experts.IMPLEMENTATIONS)
+def test_kernel_matches_float64_sum(case, implementation, layout, k):
+    held, gate_up, down, x, rng = case
+    # Ids in [-2, HELD + 2): some slots belong to experts held by other devices.
+    ids = rng.integers(-2, HELD + 2, (TOKENS, k)).astype(np.int32)
+    ids[0, 0], ids[-1, -1] = -1, HELD
+    ids[1, 0] = 2
+    weights = rng.uniform(0.1, 1.0, (TOKENS, k))
+    fn = jax.jit(functools.partial(experts.routed_experts, ffn=FFN,
+                                   implementation=implementation))
+    got = fn(jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32), jnp.asarray(ids),
+             held[layout])
+    expected = np_routed(x, weights, ids, gate_up, down)
+    assert got.dtype == jnp.float32 and got.shape == x.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("layout", ["stacked", "split"])
+def test_gathered_with_every_expert_held_skips_nothing(case, layout):
+    """`all_ids_held` drops the gathered kernel's per-slot test: with ids all in range the sum
+    is the same."""
+    held, gate_up, down, x, rng = case
+    ids = rng.integers(0, HELD, (TOKENS, 2)).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (TOKENS, 2))
+    fn = jax.jit(functools.partial(experts.routed_experts, ffn=FFN, implementation="gathered",
+                                   all_ids_held=True))
+    got = fn(jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32), jnp.asarray(ids),
+             held[layout])
+    expected = np_routed(x, weights, ids, gate_up, down)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_auto_rule_and_unknown_implementation():
+    resolve = experts.resolve_implementation
+    # Threshold 0: the hit-experts loop up to held - 1 slots.
+    assert [resolve("auto", slots, 8, 0) for slots in (7, 8)] == ["gathered", "grouped"]
+    assert [resolve("auto", slots, 8, 64) for slots in (64, 65)] == ["gathered", "grouped"]
+    assert {resolve(name, 1000, 8, 0) for name in experts.IMPLEMENTATIONS} == \
+        set(experts.IMPLEMENTATIONS)
+    with pytest.raises(ValueError, match="unknown expert implementation 'dense'"):
+        experts.routed_experts(jnp.ones((1, HIDDEN)), jnp.ones((1, 1)),
+                               jnp.zeros((1, 1), jnp.int32), None, FFN, "dense")
+
+
+def test_config_accepts_each_implementation_and_nothing_else():
+    for name in ("auto", *experts.IMPLEMENTATIONS):
+        assert tiny_config("k3-tiny", f"moe_expert_implementation={name}") \
+            .moe_expert_implementation == name
+    with pytest.raises(ConfigError, match="moe_expert_implementation"):
+        tiny_config("k3-tiny", "moe_expert_implementation=ragged_dot")
+
+
+def test_moe_layer_runs_the_configured_kernel(caplog, monkeypatch):
+    """Each implementation named by the config runs in the MoE layer (its log line names it)
+    and gives the layer's `auto` output."""
+    cfg = tiny_config("kimi-linear-tiny", "expert_weight_format=mxfp4")
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(6, cfg.hidden_size)), jnp.float32)
+    expected = nnx.jit(lambda m, x: m(x))(MoE(cfg, Init(5)), x)
+    for name in experts.IMPLEMENTATIONS:
+        # Each distinct path is logged once per process: forget what was reported before.
+        monkeypatch.setattr(moe_module, "_reported_paths", set())
+        caplog.clear()
+        layer = MoE(cfg.replace(moe_expert_implementation=name), Init(5))
+        with caplog.at_level(logging.INFO, logger="k3text.layers.moe"):
+            got = nnx.jit(lambda m, x: m(x))(layer, x)
+        assert f"moe: unsharded, implementation {name} " in caplog.text
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
