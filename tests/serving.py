@@ -27,7 +27,7 @@ class Server:
     """A server process; its stderr is collected in `lines`."""
 
     def __init__(self, config: str, *overrides: str, cache: str | Path, ready: bool = True,
-                 timeout: float = 600):
+                 timeout: float = 600, listens: bool = True):
         args = [sys.executable, "-m", "k3text.serve", config, "server_port=0",
                 f"compilation_cache_dir={cache}", *overrides]
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -35,6 +35,8 @@ class Server:
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        if not listens:  # a follower process of a multi-process server
+            return
         self.url = self._wait_for(r"listening on (http://\S+)", timeout).group(1)
         if ready:
             self.wait_ready(timeout)

@@ -10,6 +10,7 @@ import asyncio
 import json
 import random
 import signal
+import socket
 
 import httpx
 import jax
@@ -581,3 +582,32 @@ def test_isolation_on_8_devices(config, cache, tokenizer, tmp_path):
         assert not [line for line in server.lines if "Traceback" in line]
     finally:
         assert server.stop() == 0, "\n".join(server.lines)
+
+
+@pytest.mark.slow
+def test_two_processes_serve_like_one(cache, tokenizer, tmp_path):
+    """2 processes x 4 CPU devices (jax.distributed on localhost): process 0 serves and
+    schedules, process 1 replays its engine calls. Mixed greedy and seeded requests, some
+    clients leaving, equal the offline decode on one 8-device process (greedy) and the same
+    request alone (seeded); SIGTERM to process 0 stops both, each exiting 0."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    path = str(ROOT / "configs" / "inference" / "cpu8-local.yml")
+    prompts = mixed_prompts(tokenizer, n=8, seed=2)
+    reference = offline_decode(tmp_path, path, prompts, MAX_STEPS, *SHIPPED, cache=cache)
+    distributed = ["jax_distributed_initialize=true", f"coordinator_address=localhost:{port}",
+                   "num_processes=2"]
+    follower = Server(path, *SHIPPED, *distributed, "process_id=1", cache=cache, listens=False)
+    server = None
+    try:
+        server = Server(path, *SHIPPED, *distributed, "process_id=0", cache=cache)
+        run_load(server, prompts, reference, 16, "k3-small")
+        assert not [line for line in server.lines + follower.lines if "Traceback" in line]
+        assert server.stop() == 0, "\n".join(server.lines)
+        assert follower.proc.wait(120) == 0, "\n".join(follower.lines)
+        assert any("following process 0" in line for line in follower.lines)
+    finally:
+        if server is not None:
+            server.stop()
+        follower.stop(signal.SIGKILL)

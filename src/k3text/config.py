@@ -703,21 +703,25 @@ def config_from_dict(model: Mapping[str, Any], **overrides: Any) -> Config:
 
 def request_host_devices(argv: Sequence[str]) -> None:
     """Before jax starts: let XLA:CPU expose as many (fake) devices as the mesh of the config in
-    `argv` (CONFIG [key=value ...]) needs, so multi-device CPU configs run as they are. Has no
-    effect on accelerator backends, or once jax is imported; a bad config is left for the
-    caller to report."""
+    `argv` (CONFIG [key=value ...]) needs (its share, with `num_processes` processes), so
+    multi-device CPU configs run as they are. Has no effect on accelerator backends, or once
+    jax is imported; a bad config is left for the caller to report."""
     import sys
 
     if "jax" in sys.modules or not argv:
         return
     try:
-        count = load_config(argv[0], argv[1:]).num_devices
+        cfg = load_config(argv[0], argv[1:])
     except (ConfigError, OSError):
         return
+    # Each of several processes (jax.distributed) brings exactly its share of the mesh; one
+    # process may hold more devices than the mesh needs.
+    processes = cfg.num_processes if cfg.jax_distributed_initialize else 0
+    count = cfg.num_devices // max(1, processes)
     flags = os.environ.get("XLA_FLAGS", "").split()
     name = "--xla_force_host_platform_device_count="
     asked = [int(f[len(name):]) for f in flags if f.startswith(name)]
-    if count > max(asked, default=1):
+    if count > max(asked, default=1) or (processes > 1 and asked != [count]):
         kept = [f for f in flags if not f.startswith(name)]
         os.environ["XLA_FLAGS"] = " ".join([*kept, f"{name}{count}"])
 

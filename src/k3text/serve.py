@@ -7,6 +7,10 @@ then serves `POST /v1/completions` and `POST /v1/chat/completions` through the s
 
 SIGTERM stops admitting, lets in-flight requests finish for up to `serve_shutdown_timeout`
 seconds, cancels the rest and exits 0; Ctrl-C does the same and exits 130.
+
+With several processes (`jax_distributed_initialize: true`), every process runs this command:
+process 0 serves HTTP and schedules, and the others make its engine calls as it broadcasts them
+(`k3text.serving.multihost`), returning when it stops.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from k3text import decode, sharding  # noqa: E402
 from k3text.config import Config, ConfigError  # noqa: E402
 from k3text.serving.api import ServerState, create_app  # noqa: E402
 from k3text.serving.metrics import Metrics  # noqa: E402
+from k3text.serving.multihost import LeaderEngine, follow  # noqa: E402
 from k3text.serving.protocol import Protocol  # noqa: E402
 from k3text.serving.scheduler import Scheduler  # noqa: E402
 from k3text.serving.text import ChatTemplate  # noqa: E402
@@ -84,9 +89,12 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def serve(cfg: Config) -> None:
-    if jax.process_count() > 1:
-        raise ConfigError("serving over several processes (jax.distributed) is not supported "
-                          "yet; serve from one process")
+    if jax.process_index() > 0:
+        engine, _ = decode.build(cfg)
+        log.info("process %d of %d: following process 0's engine calls", jax.process_index(),
+                 jax.process_count())
+        follow(engine)
+        return
     tokenizer = load_tokenizer(cfg.tokenizer_type, decode.tokenizer_path(cfg))
     slots = cfg.global_batch_size
     metrics = Metrics(slots)
@@ -99,10 +107,14 @@ def serve(cfg: Config) -> None:
                             lifespan="off")
     server = _Server(config, state)
     failure: list[BaseException] = []
+    leaders: list[LeaderEngine] = []
 
     def load() -> None:
         try:
             engine, _ = decode.build(cfg)
+            if jax.process_count() > 1:
+                engine = LeaderEngine(engine)
+                leaders.append(engine)
             seconds = engine.warm_up(slots, cfg.serve_steps_per_call,
                                      prefill_batch=min(cfg.serve_prefill_batch, slots),
                                      top_n=cfg.serve_max_logprobs)
@@ -124,6 +136,8 @@ def serve(cfg: Config) -> None:
         sock.close()
         if state.scheduler is not None:
             state.scheduler.stop(cfg.serve_shutdown_timeout)
+        for leader in leaders:  # after the scheduler's last engine call
+            leader.close()
     if failure:
         raise failure[0]
     if not server.started:

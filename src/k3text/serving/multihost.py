@@ -1,0 +1,126 @@
+"""Serving from several processes (`jax.distributed`): process 0 answers HTTP and schedules; every
+process runs the same programs on the same host inputs, in the same order.
+
+Process 0's scheduler talks to a `LeaderEngine`: before each engine call that runs a program
+(`DEVICE_CALLS`) it broadcasts the call — method, host arguments, and which pool or prefix it
+acts on — to the other processes, then makes it. They run `follow`, which makes each call on
+their own engine as it arrives, holding their shards of the same pool and prefix. Every
+scheduling decision (admissions, prefill chunks, inserts with their sampling parameters and
+seeds, releases, decode calls) is therefore taken once, on process 0, and only its effects are
+replayed; nothing the other processes do depends on their own clocks or queues.
+
+The scheduler keeps one pool and at most one prefix alive at a time (a new prefix starts only
+when the previous group is done), so a call names them by kind; `LeaderEngine` checks that a
+call's pool or prefix is the latest one it handed out, so a broken assumption fails loudly
+instead of desynchronising the processes.
+
+Messages go through `multihost_utils.broadcast_one_to_all` as a length and then the pickled
+bytes, padded to a power of two so a few compiled broadcast programs serve every size.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from typing import Any
+
+import numpy as np
+from jax.experimental import multihost_utils
+
+from k3text.inference.engine import Engine, Pool, Prefix
+
+log = logging.getLogger("k3text.serve")
+
+DEVICE_CALLS = ("new_pool", "new_prefix", "prefill_chunk", "insert", "generate", "release",
+                "warm_up")
+_STOP = "stop"
+_MIN_MESSAGE = 1 << 12
+
+
+class _Latest:
+    """Names the latest pool or prefix in a broadcast call."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+
+def _broadcast(payload: bytes | None) -> bytes:
+    """`payload` from process 0 to every process (the others pass None)."""
+    size = int(multihost_utils.broadcast_one_to_all(
+        np.int64(0 if payload is None else len(payload))))
+    buffer = np.zeros(max(_MIN_MESSAGE, 1 << (size - 1).bit_length()), np.uint8)
+    if payload is not None:
+        buffer[:size] = np.frombuffer(payload, np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer))[:size])
+
+
+def _kind(value: Any) -> str | None:
+    if isinstance(value, Pool):
+        return "pool"
+    if isinstance(value, Prefix):
+        return "prefix"
+    return None
+
+
+def _returned(method: str, result: Any) -> Any:
+    """The pool or prefix a call returns (insert and generate return it first, with tokens)."""
+    return result[0] if method in ("insert", "generate") else result
+
+
+class LeaderEngine:
+    """Process 0's engine: each program-running call is broadcast, then made; everything else
+    (the config, `stop_ids`, ...) is the engine's own."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self._latest: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name in DEVICE_CALLS:
+            return lambda *args, **kwargs: self._call(name, args, kwargs)
+        return getattr(self._engine, name)
+
+    def _encode(self, value: Any) -> Any:
+        kind = _kind(value)
+        if kind is None:
+            return value
+        if self._latest.get(kind) is not value:
+            raise RuntimeError(f"multi-process serving: a call used a {kind} other than the "
+                               f"latest one, which the other processes no longer hold")
+        return _Latest(kind)
+
+    def _call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        message = (method, [self._encode(a) for a in args],
+                   {k: self._encode(v) for k, v in kwargs.items()})
+        _broadcast(pickle.dumps(message))
+        result = getattr(self._engine, method)(*args, **kwargs)
+        kind = _kind(_returned(method, result))
+        if kind is not None:
+            self._latest[kind] = _returned(method, result)
+        return result
+
+    def close(self) -> None:
+        """Tell the other processes to return from `follow`."""
+        _broadcast(pickle.dumps((_STOP, [], {})))
+
+
+def follow(engine: Engine) -> int:
+    """Make process 0's engine calls on this process's `engine` until it stops; returns the
+    number of calls made."""
+    latest: dict[str, Any] = {}
+    calls = 0
+
+    def decode(value: Any) -> Any:
+        return latest[value.kind] if isinstance(value, _Latest) else value
+
+    while True:
+        method, args, kwargs = pickle.loads(_broadcast(None))
+        if method == _STOP:
+            log.info("process 0 stopped serving after %d engine calls", calls)
+            return calls
+        result = getattr(engine, method)(*[decode(a) for a in args],
+                                         **{k: decode(v) for k, v in kwargs.items()})
+        kind = _kind(_returned(method, result))
+        if kind is not None:
+            latest[kind] = _returned(method, result)
+        calls += 1
