@@ -22,6 +22,7 @@ import pytest
 from k3text import corpus
 from k3text.config import load_config
 from k3text.inference import sampling
+from k3text.serving.multihost import LeaderEngine
 from k3text.tokenizer import load_tokenizer
 
 from helpers import ROOT, engine_for, tiny_config
@@ -50,6 +51,21 @@ def _run_pool(engine, pool, steps=8):
         if not out.active.any():
             break
     return pool, got
+
+
+def test_the_leader_engine_broadcasts_and_refuses_a_pool_it_replaced(tiny):
+    """Process 0's engine (one process here: each broadcast returns its own message) makes the
+    calls it broadcasts, and refuses a call on a pool older than the latest: the followers hold
+    only the latest, so that call would desynchronise them."""
+    _, engine = tiny
+    leader = LeaderEngine(engine)
+    assert leader.cfg is engine.cfg  # host-side attributes are the engine's own
+    pool = leader.new_pool(2)
+    newer = leader.release(pool, [0])
+    with pytest.raises(RuntimeError, match="other than the latest"):
+        leader.release(pool, [1])
+    leader.release(newer, [1])
+    leader.close()
 
 
 def test_insert_overwrites_every_array_of_a_poisoned_slot(tiny):
