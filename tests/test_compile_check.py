@@ -35,11 +35,16 @@ def test_whole_model_lowers_for_tpu_with_tokamax_kernels(mode, transport):
 
 @pytest.mark.slow
 def test_v7x16_full_size_compile_check():
+    """Full K3 on 32 fake devices: compiled per-device bytes and collectives, and both programs
+    lowered for TPU with the implementations a TPU runs, carrying tokamax's Mosaic KDA kernels
+    (the decode step's fused conv + delta rule, the prefill chunk's chunked kernel)."""
     result = subprocess.run(
         [sys.executable, "-m", "k3text.tools.compile_check",
-         str(ROOT / "configs/inference/v7x16.yml")],
+         str(ROOT / "configs/inference/v7x16.yml"), "--tpu"],
         capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert len(re.findall(r"lowers for TPU: [\d.]+ MB of StableHLO, 2 Mosaic kernel calls",
+                          result.stdout)) == 2, result.stdout
     weights = float(re.search(r"weights ([\d.]+) GiB/device", result.stdout)[1])
     # The report's serving stack measured 45.43 GiB with the low-rank down projections split
     # too; k3text keeps them whole (+0.75 GiB) so their outputs need no all-reduce.
