@@ -6,7 +6,7 @@ every implementation is tested against (tests/test_kda_ops.py runs them all on t
 - `prefill(..., implementation=)`, a whole sequence or prefill chunk:
   - ``recurrent``: the per-token scan of `reference.kda_recurrent`;
   - ``chunked``: k3text's chunked form in matmul form (`chunked.kda_chunked`), differentiable;
-  - ``tokamax_mosaic``: tokamax's Pallas TPU kernel (`tokamax.kda_tokamax` with ``mosaic``),
+  - ``tokamax_mosaic``: tokamax's Pallas TPU kernel (`tokamax.tokamax_kda` with ``mosaic``),
     inside ``shard_map`` over the active mesh (Pallas kernels are not auto-partitioned).
 - `decode_step(..., implementation=)`, one token per sequence over the slot pool, from the raw
   projections (conv, activations, gate and delta rule together, as serving stacks fuse them):
