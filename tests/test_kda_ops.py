@@ -213,15 +213,18 @@ def test_tokamax_mosaic_in_pallas_interpret_mode_matches_the_float64_recurrence(
     assert not np.isfinite(o[1]).all(), "tokamax's kernel now handles strong unbounded decays"
 
 
-def test_chunked_sub_chunks_equal_whole_chunk_pairwise_decays():
-    """One sub-chunk per chunk (the whole chunk pairwise) and four sub-chunks of 16 give the same
-    result: the block factorisation changes rounding only."""
+def test_chunked_with_one_sub_chunk_per_chunk_matches_the_float64_recurrence():
+    """Chunks that are a single sub-chunk (no below-diagonal blocks, the whole chunk pairwise or
+    as products) against the float64 recurrence, as the harness checks four sub-chunks of 16."""
     (q, k, v, g, beta), s0 = harness_inputs(200, jnp.float32, seed=3)
-    form = _jit(kda_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
-    whole = form(q, k, v, g, beta, s0, chunk_size=64, sub_chunk_size=64, precision=HIGHEST)
-    split = form(q, k, v, g, beta, s0, chunk_size=64, sub_chunk_size=16, precision=HIGHEST)
-    for a, b in zip(whole, split, strict=True):
-        assert_close(a, b)
+    o_ref, s_ref = reference_f64(q, k, v, g, beta, s0)
+    form = _jit(kda_chunked, static_argnames=("chunk_size", "sub_chunk_size", "gate_lower_bound",
+                                              "precision"))
+    for chunk, bound, rows in ((64, None, [0, 1, 2, 3]), (16, K3_BOUND, [0, 2, 3])):
+        o, s = form(q, k, v, g, beta, s0, chunk_size=chunk, sub_chunk_size=chunk,
+                    gate_lower_bound=bound, precision=HIGHEST)
+        np.testing.assert_allclose(np.asarray(o)[rows], o_ref[rows], rtol=5e-5, atol=5e-5)
+        np.testing.assert_allclose(np.asarray(s)[rows], s_ref[rows], rtol=5e-5, atol=5e-5)
 
 
 def test_chunked_refuses_a_chunk_that_is_not_whole_sub_chunks():
