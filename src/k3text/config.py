@@ -568,6 +568,13 @@ def _validate(cfg: Config) -> None:
     _require(0 <= cfg.serve_max_logprobs <= min(cfg.vocab_size, 20),
              f"serve_max_logprobs must be in [0, {min(cfg.vocab_size, 20)}], got "
              f"{cfg.serve_max_logprobs}")
+    _require(cfg.prefix_cache_block >= 0 and
+             cfg.prefix_cache_block % cfg.prefill_chunk_size == 0,
+             f"prefix_cache_block ({cfg.prefix_cache_block}) must be 0 (one prefill chunk) or a "
+             f"multiple of prefill_chunk_size ({cfg.prefill_chunk_size}): a block's KDA "
+             f"checkpoint is taken where a prefill chunk ends")
+    _require(cfg.prefix_cache_bytes >= 0, f"prefix_cache_bytes must be >= 0, got "
+             f"{cfg.prefix_cache_bytes}")
     _require(cfg.serve_shutdown_timeout >= 0, f"serve_shutdown_timeout must be >= 0, got "
              f"{cfg.serve_shutdown_timeout}")
     _validate_divisibility(cfg)

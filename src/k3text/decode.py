@@ -34,6 +34,7 @@ from tqdm import tqdm  # noqa: E402
 from k3text import files, sharding  # noqa: E402
 from k3text.config import Config, ConfigError  # noqa: E402
 from k3text.inference.engine import Engine, Generation, place_model  # noqa: E402
+from k3text.inference.prefix_cache import PrefixCache  # noqa: E402
 from k3text.layers.initializers import Init  # noqa: E402
 from k3text.models.decoder import Decoder  # noqa: E402
 from k3text.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
@@ -290,8 +291,9 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     gens = []
     bar = tqdm(total=len(requests), desc="decode", unit="prompt", file=sys.stderr,
                disable=not cfg.progress or jax.process_index() != 0)
+    cache = PrefixCache(cfg, engine) if cfg.enable_prefix_caching else None
     for group in batches(requests, batch):
-        gen = engine.decode_batch([r.prompt_ids for r in group], batch=batch)
+        gen = engine.decode_batch([r.prompt_ids for r in group], batch=batch, cache=cache)
         gens.append(gen)
         records += result_records(cfg, group, gen, tokenizer)
         bar.update(len(group))
@@ -301,6 +303,8 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         print(f"compile {compile_seconds:.1f} s (prefill chunk and decode loop at batch {batch}; "
               f"from the compilation cache when a run compiled them before)")
         print(summary(gens, len(records)))
+        if cache is not None:
+            print(cache.summary())
         if cfg.output_file:
             write_jsonl(cfg.output_file, records)
     return records

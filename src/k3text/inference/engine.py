@@ -40,7 +40,8 @@ from jax.experimental import multihost_utils
 
 from k3text import sharding
 from k3text.config import Config, ConfigError
-from k3text.inference import sampling
+from k3text.inference import prefix_cache, sampling
+from k3text.inference.prefix_cache import STORE_AXES, PrefixCache, PrefixStore
 from k3text.inference.sampling import SlotSampling
 from k3text.models.decoder import Decoder, per_layer_state, split_for_unrolled, stacked_state
 from k3text.models.state import STATE_AXES, DecodeState, cache_length, state_shapes
@@ -126,6 +127,8 @@ class Engine:
                                  static_argnames=("max_steps", "top_n"),
                                  donate_argnames=("pool",))
         self._release = jax.jit(release_program, donate_argnames=("pool",))
+        self._restore = jax.jit(prefix_cache.restore_program, donate_argnames=("prefix",))
+        self._save = jax.jit(prefix_cache.save_program, donate_argnames=("store",))
         self._step = jax.jit(bound(_step_program, cfg, self.graphdef),
                              donate_argnames=("state",))
         self._zeros: dict[tuple[str, int], Callable[[], Any]] = {}
@@ -176,6 +179,11 @@ class Engine:
         shapes = pool_shapes(self.cfg, slots)
         return Pool(self.new_state(slots), self._zero("slots", slots, shapes.slots, SLOT_AXES))
 
+    def new_store(self, entries: int) -> PrefixStore:
+        """An empty prefix-cache store of `entries` blocks (`inference/prefix_cache.py`)."""
+        return self._zero("store", entries, prefix_cache.store_shapes(self.cfg, entries),
+                          STORE_AXES)
+
     def _note_shape(self, program: str, shape: str) -> None:
         """Log the first call of a program at a shape: the call that compiles it."""
         if (program, shape) not in self._shapes_seen:
@@ -210,9 +218,12 @@ class Engine:
                                        self._global(valid, ("batch", None)), prefix,
                                        jnp.int32(start))
 
-    def prefill(self, prompts: Sequence[Sequence[int]], batch: int | None = None) -> Prefix:
+    def prefill(self, prompts: Sequence[Sequence[int]], batch: int | None = None,
+                cache: PrefixCache | None = None) -> Prefix:
         """Prefill `prompts` into a prefix of `batch` rows (default: one per prompt; extra rows
-        stay empty): the logits at each prompt's last token and each sequence's state."""
+        stay empty): the logits at each prompt's last token and each sequence's state. With a
+        prefix `cache`, the group's longest common cached prefix is restored instead of
+        prefilled, and every block the prompts complete is cached."""
         cfg = self.cfg
         batch = batch or len(prompts)
         chunk = cfg.prefill_chunk_size
@@ -226,10 +237,19 @@ class Engine:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
             valid[i, : len(p)] = True
-        prefix = self.new_prefix(batch)
-        for start in range(0, padded, chunk):
-            part = slice(start, start + chunk)
-            prefix = self.prefill_chunk(prefix, tokens[:, part], valid[:, part], start)
+        prefix, resume, chains = self.new_prefix(batch), 0, []
+        if cache is not None:
+            rows = [*prompts, *[None] * (batch - len(prompts))]
+            prefix, resume, chains = cache.begin(prefix, rows)
+        try:
+            for start in range(resume, padded, chunk):
+                part = slice(start, start + chunk)
+                prefix = self.prefill_chunk(prefix, tokens[:, part], valid[:, part], start)
+                if cache is not None:
+                    cache.after_chunk(prefix, chains, start + chunk)
+        finally:
+            for chain in chains:
+                cache.end(chain)
         return prefix
 
     def stop_ids(self, extra: Sequence[int] = (), ignore_eos: bool = False) -> np.ndarray:
@@ -278,6 +298,24 @@ class Engine:
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             return self._release(pool, self._global(free, ("batch",)))
 
+    def restore_prefix(self, prefix: Prefix, store: PrefixStore, entries: np.ndarray,
+                       lengths: np.ndarray) -> Prefix:
+        """Cached blocks into prefix rows (`prefix_cache.restore_program`); `prefix` is
+        consumed."""
+        self._note_shape("prefix restore", "{} rows x {} blocks".format(*entries.shape))
+        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
+            return self._restore(prefix, store, self._global(entries, ("batch", None)),
+                                 self._global(lengths, ("batch",)))
+
+    def save_blocks(self, store: PrefixStore, prefix: Prefix, entries: np.ndarray,
+                    end: int) -> PrefixStore:
+        """Each prefix row's block ending at `end` into its store entry (-1: none); `store` is
+        consumed."""
+        self._note_shape("prefix save", f"{entries.shape[0]} rows")
+        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
+            return self._save(store, prefix.state, self._global(entries, ("batch",)),
+                              jnp.int32(end))
+
     def step(self, tokens: jax.Array, state: DecodeState, key: jax.Array,
              ) -> tuple[jax.Array, jax.Array, jax.Array, DecodeState]:
         """One decode step for tokens [B]: (sampled next tokens [B], their log-probabilities
@@ -308,11 +346,14 @@ class Engine:
 
     def decode_batch(self, prompts: Sequence[Sequence[int]], batch: int | None = None,
                      max_steps: int | None = None, seed: int | None = None,
-                     limits: Sequence[int] | None = None) -> Generation:
+                     limits: Sequence[int] | None = None,
+                     cache: PrefixCache | None = None) -> Generation:
         """Decode `prompts` together (the offline driver): prefill them in one batch, insert
         them into a pool of `batch` slots, generate until every one stops. Prompt i samples
         with seed `seed + i` (default `cfg.seed`) and generates at most `limits[i]` tokens
-        (default `max_steps`, itself by default `max_decode_steps`)."""
+        (default `max_steps`, itself by default `max_decode_steps`). With a prefix `cache`
+        each prompt is prefilled on its own, in order, so it can reuse the blocks of the
+        prompts before it (and of earlier calls)."""
         cfg = self.cfg
         max_steps = cfg.max_decode_steps if max_steps is None else max_steps
         limits = [max_steps] * len(prompts) if limits is None else list(limits)
@@ -322,13 +363,16 @@ class Engine:
         batch = batch or len(prompts)
         seed = cfg.seed if seed is None else seed
         t0 = time.perf_counter()
-        prefix = self.prefill(prompts, batch)
         rows = range(batch)
         slots = [i if i < len(prompts) else -1 for i in rows]
         stop = np.tile(self.stop_ids(), (batch, 1))
         params = sampling.config_sampling(cfg, batch, [seed + i for i in rows])
-        pool, first = self.insert(self.new_pool(batch), prefix, slots,
-                                  limits + [1] * (batch - len(prompts)), stop, params)
+        if cache is None:
+            pool, first = self.insert(self.new_pool(batch), self.prefill(prompts, batch),
+                                      slots, limits + [1] * (batch - len(prompts)), stop,
+                                      params)
+        else:
+            pool, first = self._insert_one_by_one(prompts, batch, limits, stop, params, cache)
         t1 = time.perf_counter()
         steps = 1
         rest = Tokens(np.zeros((batch, 0), np.int32), np.zeros((batch, 0), np.float32),
@@ -347,6 +391,22 @@ class Engine:
             reasons.append("eos" if eos is not None and ids[-1] == eos else "length")
         return Generation([list(p) for p in prompts], outputs, lps, reasons, t1 - t0, t2 - t1,
                           steps)
+
+
+    def _insert_one_by_one(self, prompts: Sequence[Sequence[int]], batch: int,
+                           limits: Sequence[int], stop: np.ndarray, params: SlotSampling,
+                           cache: PrefixCache) -> tuple[Pool, Tokens]:
+        """Prompt i prefilled alone through `cache` and inserted into slot i; the first tokens
+        of all `batch` rows (padding rows inactive)."""
+        pool = self.new_pool(batch)
+        ids, lps = np.zeros(batch, np.int32), np.zeros(batch, np.float32)
+        active = np.zeros(batch, bool)
+        for i, prompt in enumerate(prompts):
+            row = jax.tree.map(lambda a, i=i: a[i:i + 1], params)
+            pool, one = self.insert(pool, self.prefill([prompt], 1, cache), [i], [limits[i]],
+                                    stop[i:i + 1], row)
+            ids[i], lps[i], active[i] = one.ids[0], one.logprobs[0], one.active[0]
+        return pool, Tokens(ids, lps, None, None, np.ones(batch, np.int32), active)
 
 
 # ---- the programs (pure; the engine jits them with its graphdef bound) -------------------------

@@ -29,7 +29,7 @@ class Metrics:
                               registry=r)
         self.e2e = Histogram("k3text_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("k3text_prompt_tokens", "Prompt tokens prefilled",
+        self.prompt_tokens = Counter("k3text_prompt_tokens", "Prompt tokens of admitted requests (restored from the prefix cache or prefilled)",
                                      registry=r)
         self.generation_tokens = Counter("k3text_generation_tokens", "Tokens generated",
                                          registry=r)
@@ -39,6 +39,19 @@ class Metrics:
                                       registry=r)
         self.prefill_seconds = Counter("k3text_prefill_seconds", "Time in prefill chunks and "
                                        "inserts (first tokens)", registry=r)
+        self.prefix_hit_tokens = Counter(
+            "k3text_prefix_cache_hit_tokens", "Prompt tokens restored from the prefix cache "
+            "instead of prefilled (hit rate: this / k3text_prefix_cache_queried_tokens)",
+            registry=r)
+        self.prefix_queried_tokens = Counter(
+            "k3text_prefix_cache_queried_tokens", "Prompt tokens of requests that looked "
+            "their prefix up in the cache", registry=r)
+        self.prefix_evictions = Counter("k3text_prefix_cache_evictions", "Cached blocks "
+                                        "evicted to make room", registry=r)
+        self.prefix_cached_bytes = Gauge("k3text_prefix_cache_bytes", "Device bytes (per "
+                                         "device) of the cached blocks", registry=r)
+        self.prefix_cached_blocks = Gauge("k3text_prefix_cache_blocks", "Blocks cached",
+                                          registry=r)
         self.slots_total.set(slots)
 
     def render(self) -> bytes:

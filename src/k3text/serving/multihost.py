@@ -9,10 +9,10 @@ scheduling decision (admissions, prefill chunks, inserts with their sampling par
 seeds, releases, decode calls) is therefore taken once, on process 0, and only its effects are
 replayed; nothing the other processes do depends on their own clocks or queues.
 
-The scheduler keeps one pool and at most one prefix alive at a time (a new prefix starts only
-when the previous group is done), so a call names them by kind; `LeaderEngine` checks that a
-call's pool or prefix is the latest one it handed out, so a broken assumption fails loudly
-instead of desynchronising the processes.
+The scheduler keeps one pool, at most one prefix (a new prefix starts only when the previous
+group is done) and at most one prefix-cache store alive at a time, so a call names them by
+kind; `LeaderEngine` checks that a call's pool, prefix or store is the latest one it handed
+out, so a broken assumption fails loudly instead of desynchronising the processes.
 
 Messages go through `multihost_utils.broadcast_one_to_all` as a length and then the pickled
 bytes, padded to a power of two so a few compiled broadcast programs serve every size.
@@ -28,11 +28,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from k3text.inference.engine import Engine, Pool, Prefix
+from k3text.inference.prefix_cache import PrefixStore
 
 log = logging.getLogger("k3text.serve")
 
 DEVICE_CALLS = ("new_pool", "new_prefix", "prefill_chunk", "insert", "generate", "release",
-                "warm_up")
+                "warm_up", "new_store", "restore_prefix", "save_blocks")
 _STOP = "stop"
 _MIN_MESSAGE = 1 << 12
 
@@ -59,6 +60,8 @@ def _kind(value: Any) -> str | None:
         return "pool"
     if isinstance(value, Prefix):
         return "prefix"
+    if isinstance(value, PrefixStore):
+        return "store"
     return None
 
 

@@ -5,7 +5,9 @@ One thread owns the engine and the pool and loops over iterations:
 2. prefill under a token budget (`serve_prefill_token_budget`, whole chunks, at least one): the
    request being prefilled advances chunk by chunk, a new one starts when a slot is free, and a
    finished prefix is inserted into its slot, which also samples its first token — so a long
-   prompt never stalls the running sequences for its whole length;
+   prompt never stalls the running sequences for its whole length. With
+   `enable_prefix_caching` a group starts from its longest cached prefix
+   (`inference/prefix_cache.py`) and caches each block its chunks complete;
 3. one `generate` call of `serve_steps_per_call` steps for every slot, if any is active.
 Tokens go back to each request's `sink` (called on this thread) as `Delta`s and one `Finished`.
 A slot is freed in the iteration its request finishes, stops or is cancelled.
@@ -31,6 +33,7 @@ import numpy as np
 
 from k3text.config import Config
 from k3text.inference.engine import MAX_STOP_IDS, Engine, Pool, Prefix, Tokens
+from k3text.inference.prefix_cache import Chain, PrefixCache
 from k3text.inference.sampling import host_sampling
 from k3text.serving.metrics import Metrics
 from k3text.serving.text import TextStream
@@ -110,6 +113,7 @@ class _Prefill:
     tokens: np.ndarray  # [rows, whole chunks of the longest prompt]
     valid: np.ndarray
     start: int = 0
+    chains: list[Chain | None] = dataclasses.field(default_factory=list)  # prefix-cache rows
 
     @property
     def live(self) -> list[Request]:
@@ -138,6 +142,8 @@ class Scheduler:
         self._decoding: dict[int, Request] = {}  # slot -> request
         self._prefill: _Prefill | None = None
         self._to_release: list[int] = []
+        self.prefix_cache: PrefixCache | None = None
+        self._cache_seen = (0, 0, 0)  # the cache's (hits, queried, evictions) in the metrics
 
     # ---- any thread -----------------------------------------------------------------------
 
@@ -163,6 +169,9 @@ class Scheduler:
     def start(self) -> None:
         """Start the scheduler thread (the engine's programs should be compiled already)."""
         self._pool = self.engine.new_pool(self.num_slots)
+        if self.cfg.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.cfg, self.engine)
+            self.prefix_cache.warm_up(self.prefill_batch)
         with self._cv:
             self._accepting = True
         self._thread = threading.Thread(target=self._run, name="k3text-scheduler", daemon=True)
@@ -232,6 +241,16 @@ class Scheduler:
         m.slots_used.set(self.num_slots - len(self._free))
         with self._cv:
             m.waiting.set(len(self._waiting))
+        cache = self.prefix_cache
+        if cache is not None:
+            now = (cache.hit_tokens, cache.prompt_tokens, cache.tree.evictions)
+            for counter, new, old in zip((m.prefix_hit_tokens, m.prefix_queried_tokens,
+                                          m.prefix_evictions), now, self._cache_seen,
+                                         strict=True):
+                counter.inc(new - old)
+            self._cache_seen = now
+            m.prefix_cached_bytes.set(cache.cached_bytes)
+            m.prefix_cached_blocks.set(cache.tree.cached_blocks)
 
     def _drop_cancelled(self) -> None:
         with self._cv:
@@ -244,6 +263,7 @@ class Scheduler:
             for i, r in enumerate(self._prefill.rows):
                 if r is not None and r.cancelled:
                     self._prefill.rows[i] = None  # its row runs on as padding
+                    self._end_chain(self._prefill, i)
                     self._free_slot(r.slot, on_device=False)
                     self._finish(r, "cancelled")
             if not self._prefill.live:
@@ -273,12 +293,15 @@ class Scheduler:
             except Exception:
                 log.exception("prefill failed")
                 self._prefill = None
+                for i in range(len(job.rows)):
+                    self._end_chain(job, i)
                 for r in job.live:
                     self._free_slot(r.slot, on_device=False)
                     self._finish(r, "error", "internal error during prefill")
                 continue
             spent += chunk * len(job.live)
             job.start += chunk
+            self._cache_blocks(job)
             self._insert_finished_rows(job)  # waits for the chunk when a row is ready
             self.metrics.prefill_seconds.inc(time.perf_counter() - began)
             if not job.live:
@@ -310,7 +333,42 @@ class Scheduler:
             r.text = TextStream(self.tokenizer, r.params.stop)
             r.stop_ids = self.engine.stop_ids(r.params.stop_token_ids, r.params.ignore_eos)
         rows += [None] * (batch - len(rows))
-        return _Prefill(rows, prefix, tokens, valid)
+        job = _Prefill(rows, prefix, tokens, valid)
+        if self.prefix_cache is not None:
+            try:
+                job.prefix, job.start, job.chains = self.prefix_cache.begin(
+                    prefix, [r.prompt_ids if r else None for r in rows])
+            except Exception:  # the prefix was consumed: these requests cannot go on
+                log.exception("prefix-cache restore failed")
+                for r in job.live:
+                    self._free_slot(r.slot, on_device=False)
+                    self._finish(r, "error", "internal error restoring a cached prefix")
+                self._reset_prefix_cache()
+                return None
+        return job
+
+    def _cache_blocks(self, job: _Prefill) -> None:
+        """Cache the blocks the chunk just run completed; a failure only empties the cache."""
+        if self.prefix_cache is None:
+            return
+        try:
+            self.prefix_cache.after_chunk(job.prefix, job.chains, job.start)
+        except Exception:
+            log.exception("prefix-cache save failed; the cache starts again empty")
+            self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        try:
+            self.prefix_cache.reset()
+        except Exception:
+            log.exception("could not allocate a new prefix-cache store; caching is off")
+            self.prefix_cache = None
+
+    def _end_chain(self, job: _Prefill, row: int) -> None:
+        """Row `row` of `job` is done with the prefix cache (inserted, cancelled, failed)."""
+        if self.prefix_cache is not None and row < len(job.chains):
+            self.prefix_cache.end(job.chains[row])
+            job.chains[row] = None
 
     def _insert_finished_rows(self, job: _Prefill) -> None:
         """Insert the rows whose prompts ended within the chunks run so far."""
@@ -339,6 +397,7 @@ class Scheduler:
             return
         for i in ready:
             r, job.rows[i] = job.rows[i], None
+            self._end_chain(job, i)
             self.metrics.prompt_tokens.inc(len(r.prompt_ids))
             self._decoding[r.slot] = r
             self._deliver(r, first, i)
@@ -443,6 +502,8 @@ class Scheduler:
         victims = list(self._decoding.values())
         if self._prefill is not None:
             victims += self._prefill.live
+            for i in range(len(self._prefill.rows)):
+                self._end_chain(self._prefill, i)
         self._decoding.clear()
         self._prefill = None
         self._to_release = []
