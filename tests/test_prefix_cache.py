@@ -15,8 +15,12 @@ import numpy as np
 import pytest
 
 from k3text import decode
-from k3text.inference.prefix_cache import (BlockTree, PrefixCache, entry_bytes,
-                                           store_bytes_per_device)
+from k3text.inference.prefix_cache import (
+    BlockTree,
+    PrefixCache,
+    entry_bytes,
+    store_bytes_per_device,
+)
 from k3text.serving.scheduler import Finished, Request, SamplingParams, Scheduler
 
 from helpers import engine_for, tiny_config

@@ -29,7 +29,8 @@ class Metrics:
                               registry=r)
         self.e2e = Histogram("k3text_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("k3text_prompt_tokens", "Prompt tokens of admitted requests (restored from the prefix cache or prefilled)",
+        self.prompt_tokens = Counter("k3text_prompt_tokens", "Prompt tokens of admitted "
+                                     "requests (restored from the prefix cache or prefilled)",
                                      registry=r)
         self.generation_tokens = Counter("k3text_generation_tokens", "Tokens generated",
                                          registry=r)
