@@ -1,7 +1,7 @@
 """Load against the server, and the same requests through the offline engine.
 
     python benchmarks/serve_load.py [CONFIG] [key=value ...] [--requests N] [--rates 2,8,32]
-                                    [--concurrency C] [--seed S] [--out DIR]
+                                    [--concurrency C] [--seed S] [--out DIR] [--shared-prefix]
 
 1. Starts `python -m k3text.serve CONFIG` (default: the shipped model, configs/inference/cpu.yml,
    8 slots) on a free port and waits for /health.
@@ -18,6 +18,13 @@
    steps as the longest request: tokens/s and the per-step time) and the same workload in
    static batches of the slot count, in arrival order (each batch runs until its longest
    request ends).
+
+With --shared-prefix it runs the prefix-cache workloads instead, on a server with
+`enable_prefix_caching` false and then true (the cache raised to 2,688 positions): N requests of a
+2,048-token system prompt plus a distinct short question, at a concurrency of the slot count;
+then N / 4 conversations of 4 turns at once, each turn's prompt the conversation so far (the
+server's answers included). Prints TTFT and throughput for both, the cache's hit rate, and the
+median-TTFT ratio; writes prefix_cache.jsonl and prefix_cache.csv to --out.
 
 Prints the table and the three ratios the serving issue set (saturation tokens/s vs the
 offline loop, TPOT p50 with all slots busy vs the offline per-step time, continuous vs static
@@ -114,25 +121,26 @@ class ServerProcess:
 
 
 async def _one(client: httpx.AsyncClient, model: str, request: dict[str, Any],
-               ) -> dict[str, float]:
+               ) -> dict[str, Any]:
     body = {"model": model, "prompt": request["prompt"], "max_tokens": request["max_tokens"],
             "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
     sent = time.perf_counter()
     first = last = None
-    tokens = 0
+    ids: list[int] = []
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
-            n = len(json.loads(line[6:])["choices"][0].get("token_ids", []))
-            if n:
+            new = json.loads(line[6:])["choices"][0].get("token_ids", [])
+            if new:
                 last = time.perf_counter()
                 first = first or last
-                tokens += n
+                ids += new
+    tokens = len(ids)
     return {"ttft": first - sent, "tpot": (last - first) / (tokens - 1) if tokens > 1 else None,
-            "tokens": tokens, "end": last}
+            "tokens": tokens, "end": last, "ids": ids}
 
 
 def _summary(mode: str, results: list[dict[str, float]], seconds: float,
@@ -200,6 +208,112 @@ async def closed_loop(url: str, model: str, requests: list[dict],
                     server_ms_per_step=1e3 * delta["k3text_decode_seconds_total"]
                     / delta["k3text_decode_steps_total"],
                     prefill_share=delta["k3text_prefill_seconds_total"] / seconds)
+
+
+# ---- shared prefixes: the prefix cache off and on ---------------------------------------------
+
+PREFIX_FIELDS = ("workload", "prefix_cache", "requests", "output_tokens", "seconds",
+                 "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "hit_rate")
+# Room for a 2,048-token system prompt and a few turns of conversation after it.
+PREFIX_OVERRIDES = ["max_prefill_predict_length=2560", "max_target_length=2688"]
+
+
+def shared_prefix_workloads(cfg: Any, tokenizer: Any, n: int, seed: int,
+                            ) -> tuple[list[int], list[dict], list[list[dict]]]:
+    """A 2,048-token system prompt (the facts corpus as text); `n` requests of it plus a short
+    distinct question; and n // 4 conversations of 4 turns, each turn's prompt the whole
+    conversation so far (the server's own answers included) plus a new question."""
+    rng = random.Random(seed)
+    facts = corpus.facts(cfg.corpus_seed)
+    text = " ".join(f.prompt + f.completion for f in facts)
+    system = [cfg.bos_token_id, *tokenizer.encode(text)]
+    while len(system) < 2048:
+        system += system[1:]
+    system = system[:2048]
+    question = lambda: tokenizer.encode(" " + rng.choice(facts).prompt)  # noqa: E731
+    suffixed = [{"prompt": system + question(), "max_tokens": rng.randint(8, 24)}
+                for _ in range(n)]
+    conversations = [[{"question": question(), "max_tokens": rng.randint(8, 24)}
+                      for _ in range(4)] for _ in range(max(1, n // 4))]
+    return system, suffixed, conversations
+
+
+async def conversations(url: str, model: str, system: list[int], talks: list[list[dict]],
+                        ) -> dict[str, Any]:
+    """Every conversation at once, its turns in order."""
+    results: list[dict] = []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        start = time.perf_counter()
+
+        async def talk(turns: list[dict]) -> None:
+            history = list(system)
+            for turn in turns:
+                history += turn["question"]
+                out = await _one(client, model, {"prompt": history,
+                                                 "max_tokens": turn["max_tokens"]})
+                history += out["ids"]
+                results.append(out)
+
+        await asyncio.gather(*(talk(t) for t in talks))
+    return _summary("multi-turn", results, time.perf_counter() - start)
+
+
+def hit_rate(url: str) -> float | None:
+    values = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = value
+    queried = float(values.get("k3text_prefix_cache_queried_tokens_total", 0))
+    hits = float(values.get("k3text_prefix_cache_hit_tokens_total", 0))
+    return hits / queried if queried else None
+
+
+def shared_prefix(args: argparse.Namespace, overrides: list[str]) -> None:
+    from k3text import decode
+    from k3text.serve import model_name
+    from k3text.tokenizer import load_tokenizer
+
+    overrides = [*overrides, *PREFIX_OVERRIDES]
+    cfg = load_config(args.config, overrides)
+    tokenizer = load_tokenizer(cfg.tokenizer_type, decode.tokenizer_path(cfg))
+    system, suffixed, talks = shared_prefix_workloads(cfg, tokenizer, args.requests, args.seed)
+    slots = cfg.global_batch_size
+    model = model_name(cfg)
+    rows = []
+    for cached in (False, True):
+        server = ServerProcess(args.config, [*overrides, f"enable_prefix_caching={cached}"])
+        try:
+            warm = [{"prompt": [cfg.bos_token_id, 5, 6], "max_tokens": 2}] * slots
+            asyncio.run(closed_loop(server.url, model, warm, slots))
+            shared = asyncio.run(closed_loop(server.url, model, suffixed, slots))
+            shared.update(workload="2,048-token system prompt + question", prefix_cache=cached,
+                          hit_rate=hit_rate(server.url))
+            rows.append(shared)
+            talk = asyncio.run(conversations(server.url, model, system, talks))
+            talk.update(workload=f"{len(talks)} conversations x 4 turns", prefix_cache=cached,
+                        hit_rate=hit_rate(server.url))
+            rows.append(talk)
+        finally:
+            server.stop()
+        print(f"prefix cache {'on' if cached else 'off'}: done", file=sys.stderr)
+    m = benchlib.machine(config=args.config, overrides=overrides, slots=slots,
+                         requests=len(suffixed), conversations=len(talks))
+    args.out.mkdir(parents=True, exist_ok=True)
+    benchlib.write_jsonl(args.out / "prefix_cache.jsonl", m, rows)
+    benchlib.write_csv(args.out / "prefix_cache.csv", m, PREFIX_FIELDS, rows)
+    print(benchlib.machine_line(m))
+    shown = [[r["workload"], "on" if r["prefix_cache"] else "off", str(r["requests"]),
+              f"{r['output_tokens_per_s']:.1f}", f"{r['ttft_p50_ms']:.1f}",
+              f"{r['ttft_p90_ms']:.1f}",
+              "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"] for r in rows]
+    print(table(["workload", "prefix cache", "requests", "out tok/s", "TTFT p50 ms",
+                 "TTFT p90 ms", "hit rate (cumulative)"], shown))
+    for i, name in ((0, "2,048-token shared prefix"), (1, "multi-turn")):
+        off, on = rows[i], rows[i + 2]
+        target = " (target >= 3)" if i == 0 else ""
+        print(f"{name}: median TTFT {off['ttft_p50_ms']:.1f} -> {on['ttft_p50_ms']:.1f} ms, "
+              f"{off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x lower{target}; throughput "
+              f"{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}x")
 
 
 # ---- the offline engine -----------------------------------------------------------------------
@@ -274,6 +388,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=0, help="default 2 x slots")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=benchlib.RESULTS / "serve_load")
+    p.add_argument("--shared-prefix", action="store_true",
+                   help="the shared-prefix workloads, with the prefix cache off then on")
     args = p.parse_args()
     default_config = p.get_default("config")
     if "=" in args.config and not Path(args.config).exists():  # only overrides were given
@@ -284,6 +400,9 @@ def main() -> None:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+    if args.shared_prefix:
+        shared_prefix(args, overrides)
+        return
     from k3text import decode
     from k3text.serve import model_name
     from k3text.tokenizer import load_tokenizer

@@ -258,3 +258,26 @@ def test_the_offline_driver_reuses_shared_prefixes(tmp_path, capsys):
         # The cold run prefills a batch together, the cached one prompt by prompt: the
         # matmul shapes differ, so the sums do, in the last bits.
         np.testing.assert_allclose(b["output_logprobs"], a["output_logprobs"], atol=1e-4)
+
+
+def test_the_memory_tool_prints_the_cost_of_a_block(capsys):
+    """For K3 on v7x-16: one KDA checkpoint (69 layers of 96 x 128 x 128 fp32 recurrent state
+    plus the conv state) before sharding, and how many blocks the budget holds."""
+    from k3text.config import CONFIG_DIR, load_config
+    from k3text.tools import memory
+
+    path = str(CONFIG_DIR / "inference" / "v7x16.yml")
+    assert memory.main([path, "prefix_cache_bytes=4294967296"]) == 0
+    printed = capsys.readouterr().out
+    cfg = load_config(path)
+    lin = cfg.linear_attn_config
+    kda = cfg.structure.num_kda
+    recurrent = kda * lin.num_heads * lin.head_dim ** 2 * 4
+    conv = kda * (lin.short_conv_kernel_size - 1) * 3 * lin.num_heads * lin.head_dim * 2
+    assert recurrent == 69 * 96 * 128 * 128 * 4
+    assert f"{recurrent + conv:,} B" in printed, printed
+    ctx = memory.mesh_context(cfg)
+    one = sum(entry_bytes(cfg, ctx).values())
+    row = next(line for line in printed.splitlines()
+               if line.startswith(f"{cfg.prefill_chunk_size:,} *"))
+    assert row.split()[-2] == f"{4 * 2**30 // one:,}", row

@@ -127,7 +127,7 @@ class Engine:
                                  static_argnames=("max_steps", "top_n"),
                                  donate_argnames=("pool",))
         self._release = jax.jit(release_program, donate_argnames=("pool",))
-        self._restore = jax.jit(prefix_cache.restore_program, donate_argnames=("prefix",))
+        self._restore = jax.jit(prefix_cache.restore_program, donate_argnames=("state",))
         self._save = jax.jit(prefix_cache.save_program, donate_argnames=("store",))
         self._step = jax.jit(bound(_step_program, cfg, self.graphdef),
                              donate_argnames=("state",))
@@ -304,8 +304,9 @@ class Engine:
         consumed."""
         self._note_shape("prefix restore", "{} rows x {} blocks".format(*entries.shape))
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
-            return self._restore(prefix, store, self._global(entries, ("batch", None)),
-                                 self._global(lengths, ("batch",)))
+            state = self._restore(prefix.state, store, self._global(entries, ("batch", None)),
+                                  self._global(lengths, ("batch",)))
+        return prefix._replace(state=state)
 
     def save_blocks(self, store: PrefixStore, prefix: Prefix, entries: np.ndarray,
                     end: int) -> PrefixStore:

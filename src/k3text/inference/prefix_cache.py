@@ -32,7 +32,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +41,6 @@ import numpy as np
 from k3text import sharding
 from k3text.config import Config, ConfigError
 from k3text.models.state import DecodeState, cache_length, state_shapes
-
-if TYPE_CHECKING:
-    from k3text.inference.engine import Engine, Prefix
 
 log = logging.getLogger("k3text.prefix_cache")
 
@@ -106,12 +103,11 @@ def store_bytes_per_device(store: PrefixStore) -> int:
 # ---- the programs (pure; the engine jits them) ------------------------------------------------
 
 
-def restore_program(prefix: Prefix, store: PrefixStore, entries: jax.Array,
-                    lengths: jax.Array) -> Prefix:
-    """Prefix row p gets its first `lengths[p]` positions from the store: the MLA rows of blocks
+def restore_program(state: DecodeState, store: PrefixStore, entries: jax.Array,
+                    lengths: jax.Array) -> DecodeState:
+    """Row p gets its first `lengths[p]` positions from the store: the MLA rows of blocks
     `entries[p, :lengths[p] // block]` and the KDA state at the end of the last of them. Rows of
     length 0 keep what they hold. entries [P, max blocks] (-1 = unused), lengths [P]."""
-    state = prefix.state
     _, rows, positions, latent = state.mla_cache.shape
     block = store.mla.shape[2]
     safe = jnp.maximum(entries, 0)
@@ -127,10 +123,9 @@ def restore_program(prefix: Prefix, store: PrefixStore, entries: jax.Array,
         mask = hit.reshape((1, rows) + (1,) * (current.ndim - 2))
         return jnp.where(mask, stored[:, last].astype(current.dtype), current)
 
-    return prefix._replace(state=DecodeState(
-        kda_recurrent=checkpoint(store.kda_recurrent, state.kda_recurrent),
-        kda_conv=checkpoint(store.kda_conv, state.kda_conv),
-        mla_cache=mla, lengths=jnp.where(hit, lengths, state.lengths)))
+    return DecodeState(kda_recurrent=checkpoint(store.kda_recurrent, state.kda_recurrent),
+                       kda_conv=checkpoint(store.kda_conv, state.kda_conv),
+                       mla_cache=mla, lengths=jnp.where(hit, lengths, state.lengths))
 
 
 def save_program(store: PrefixStore, state: DecodeState, entries: jax.Array,
@@ -227,6 +222,23 @@ class BlockTree:
         self.__init__(self.block, entries)
 
 
+class CacheEngine(Protocol):
+    """What the cache needs of the engine (`inference.engine.Engine`, or the multi-process
+    leader in front of it); a prefix is the engine's `Prefix`."""
+
+    ctx: sharding.MeshContext
+
+    def new_store(self, entries: int) -> PrefixStore: ...
+
+    def new_prefix(self, batch: int) -> Any: ...
+
+    def restore_prefix(self, prefix: Any, store: PrefixStore, entries: np.ndarray,
+                       lengths: np.ndarray) -> Any: ...
+
+    def save_blocks(self, store: PrefixStore, prefix: Any, entries: np.ndarray,
+                    end: int) -> PrefixStore: ...
+
+
 @dataclasses.dataclass
 class Chain:
     """One prefill row's place in the tree: the deepest block of its prompt cached so far (held
@@ -243,7 +255,7 @@ class PrefixCache:
     a row's blocks go. Device work goes through the engine (`restore_prefix`, `save_blocks`),
     so a multi-process leader engine broadcasts it like every other call."""
 
-    def __init__(self, cfg: Config, engine: Engine):
+    def __init__(self, cfg: Config, engine: CacheEngine):
         self.cfg = cfg
         self.engine = engine
         self.block = block_size(cfg)
@@ -279,8 +291,8 @@ class PrefixCache:
         self.store = self.engine.save_blocks(self.store, prefix, np.full(rows, -1, np.int32),
                                              self.block)
 
-    def begin(self, prefix: Prefix, prompts: Sequence[Sequence[int] | None],
-              ) -> tuple[Prefix, int, list[Chain | None]]:
+    def begin(self, prefix: Any, prompts: Sequence[Sequence[int] | None],
+              ) -> tuple[Any, int, list[Chain | None]]:
         """Restore into `prefix` (rows of `prompts`; None = padding) the longest prefix every
         row has cached, as whole blocks. Returns the prefix, the position prefill resumes at
         (shared by the group's rows, since a prefill chunk has one start), and each row's
@@ -309,7 +321,7 @@ class PrefixCache:
             self.hit_tokens += start * len(live)
         return prefix, start, chains
 
-    def after_chunk(self, prefix: Prefix, chains: Sequence[Chain | None], end: int) -> None:
+    def after_chunk(self, prefix: Any, chains: Sequence[Chain | None], end: int) -> None:
         """Cache the blocks ending at `end` (the position after the chunk just run) of the rows
         whose prompts reach it."""
         if end % self.block:

@@ -5,8 +5,9 @@ Weights (by component) and decode state per device, from the shardings the stack
 them with (`sharding.state_shardings` on the parameters' logical axes, `STATE_AXES` for the
 decode state, the config's `logical_axis_rules`) on an abstract mesh of the config's shape, so
 any mesh size runs on one CPU. Then the capacity trade-off for a per-device HBM budget: the
-largest batch at a context, the longest context at a batch, and where the constant KDA state
-and the growing MLA latent cache cross over.
+largest batch at a context, the longest context at a batch, where the constant KDA state
+and the growing MLA latent cache cross over, and what a prefix-cache block (its MLA rows and a
+KDA checkpoint) costs at each block size and how many fit beside the decode slots.
 
 Not included: XLA temporaries and activations, which depend on the compiled graph (measure them
 with `compiled.memory_analysis()`; set them aside with --reserve-gib).
@@ -26,6 +27,7 @@ from jax.sharding import AbstractMesh
 
 from k3text import sharding
 from k3text.config import Config, ConfigError
+from k3text.inference import prefix_cache
 from k3text.models.state import STATE_AXES, DecodeState, bytes_per_sequence, state_shapes
 from k3text.tools import cli, inventory
 from k3text.tools.hardware import HARDWARE, HARDWARE_HEADERS, hardware_rows
@@ -224,6 +226,42 @@ def _capacity_section(cfg: Config, free: float, cost: SequenceCost, batch: int,
     return "\n".join(out)
 
 
+BLOCK_CHUNKS = (1, 2, 4, 8, 16, 32)  # prefix-cache block sizes shown, in prefill chunks
+
+
+def _prefix_cache_section(cfg: Config, ctx: sharding.MeshContext, free: float,
+                          cost: SequenceCost, batch: int, context: int) -> str:
+    """What one cached block costs, how many the budget and the memory beside the decode slots
+    hold, and the checkpoint-spacing trade-off: bigger blocks mean fewer KDA checkpoints per
+    cached token but coarser matches (a hit is whole blocks only)."""
+    slots = -(-batch // cost.rows) * cost.row_bytes(cache_positions(cfg, context))
+    beside = max(0.0, free - slots)
+    rows = []
+    for chunks in sorted({*BLOCK_CHUNKS, prefix_cache.block_size(cfg) // cfg.prefill_chunk_size}):
+        c = cfg.replace(prefix_cache_block=chunks * cfg.prefill_chunk_size)
+        part = prefix_cache.entry_bytes(c, ctx)
+        one = sum(part.values())
+        kda = part["kda_recurrent"] + part["kda_conv"]
+        block = prefix_cache.block_size(c)
+        mark = " *" if block == prefix_cache.block_size(cfg) else ""
+        rows.append([f"{block:,}{mark}", nbytes(one), f"{kda / one:.0%}", nbytes(one / block),
+                     tokens(cfg.prefix_cache_bytes // one),
+                     tokens(beside // one * block)])
+    out = [table(("block (tokens)", "one block per device", "KDA checkpoint share",
+                  "per cached token", "blocks in prefix_cache_bytes",
+                  "cached tokens beside the slots"), rows,
+                 title=f"Prefix cache: per block, the MLA rows of its tokens and one KDA "
+                       f"checkpoint (* = prefix_cache_block; prefix_cache_bytes = "
+                       f"{nbytes(cfg.prefix_cache_bytes)} per device)")]
+    checkpoint = prefix_cache.entry_bytes(cfg, ctx)
+    out.append(f"one KDA checkpoint (every KDA layer's recurrent + conv state): "
+               f"{exact_bytes(kda_state_per_sequence(cfg))} before sharding, "
+               f"{nbytes(checkpoint['kda_recurrent'] + checkpoint['kda_conv'])} per device")
+    out.append(f"beside batch={batch} decode slots at context={context:,} ({nbytes(slots)} per "
+               f"device): {nbytes(beside)} free for the prefix cache")
+    return "\n".join(out)
+
+
 def render(cfg: Config, hardware: str, hbm: float, reserve: float, batch: int,
            context: int) -> str:
     ctx = mesh_context(cfg)
@@ -248,6 +286,7 @@ def render(cfg: Config, hardware: str, hbm: float, reserve: float, batch: int,
         sections.append(f"Capacity: {gib(hbm)} - weights {gib(weights)} - reserve "
                         f"{gib(reserve)} = {gib(free)} free per device for decode state\n"
                         + _capacity_section(cfg, free, cost, batch, context))
+        sections.append(_prefix_cache_section(cfg, ctx, free, cost, batch, context))
     sections.append("Not included: XLA temporaries and activations (compiled.memory_analysis(); "
                     "reserve them with --reserve-gib).")
     return "\n\n".join(sections)
