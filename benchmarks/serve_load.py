@@ -49,6 +49,7 @@ from typing import Any
 
 import benchlib
 import httpx
+import numpy as np
 
 from k3text import corpus
 from k3text.config import CONFIG_DIR, ConfigError, load_config
@@ -258,13 +259,18 @@ async def conversations(url: str, model: str, system: list[int], talks: list[lis
     return _summary("multi-turn", results, time.perf_counter() - start)
 
 
-def hit_rate(url: str) -> float | None:
+def cache_counts(url: str) -> np.ndarray:
+    """The server's (prompt tokens restored from the cache, prompt tokens looked up)."""
     values = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         name, _, value = line.partition(" ")
         values[name] = value
-    queried = float(values.get("k3text_prefix_cache_queried_tokens_total", 0))
-    hits = float(values.get("k3text_prefix_cache_hit_tokens_total", 0))
+    return np.asarray([float(values.get(f"k3text_prefix_cache_{n}_tokens_total", 0))
+                       for n in ("hit", "queried")])
+
+
+def hit_rate(before: np.ndarray, after: np.ndarray) -> float | None:
+    hits, queried = after - before
     return hits / queried if queried else None
 
 
@@ -285,13 +291,15 @@ def shared_prefix(args: argparse.Namespace, overrides: list[str]) -> None:
         try:
             warm = [{"prompt": [cfg.bos_token_id, 5, 6], "max_tokens": 2}] * slots
             asyncio.run(closed_loop(server.url, model, warm, slots))
+            start = cache_counts(server.url)
             shared = asyncio.run(closed_loop(server.url, model, suffixed, slots))
+            middle = cache_counts(server.url)
             shared.update(workload="2,048-token system prompt + question", prefix_cache=cached,
-                          hit_rate=hit_rate(server.url))
+                          hit_rate=hit_rate(start, middle))
             rows.append(shared)
             talk = asyncio.run(conversations(server.url, model, system, talks))
             talk.update(workload=f"{len(talks)} conversations x 4 turns", prefix_cache=cached,
-                        hit_rate=hit_rate(server.url))
+                        hit_rate=hit_rate(middle, cache_counts(server.url)))
             rows.append(talk)
         finally:
             server.stop()
@@ -307,7 +315,7 @@ def shared_prefix(args: argparse.Namespace, overrides: list[str]) -> None:
               f"{r['ttft_p90_ms']:.1f}",
               "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"] for r in rows]
     print(table(["workload", "prefix cache", "requests", "out tok/s", "TTFT p50 ms",
-                 "TTFT p90 ms", "hit rate (cumulative)"], shown))
+                 "TTFT p90 ms", "hit rate"], shown))
     for i, name in ((0, "2,048-token shared prefix"), (1, "multi-turn")):
         off, on = rows[i], rows[i + 2]
         target = " (target >= 3)" if i == 0 else ""

@@ -21,6 +21,8 @@ CPU = str(ROOT / "configs" / "inference" / "cpu.yml")
 # Four 16-token prefill chunks fit a 64-token prompt: long prompts take several chunks.
 SHIPPED = ["kda_chunk_size=16", "prefill_chunk_size=16", "per_device_batch_size=8",
            "progress=false"]
+# The prefix cache on, with room for about 26 blocks of 16 tokens: evictions under load.
+CACHED = ["enable_prefix_caching=true", "prefix_cache_bytes=2000000"]
 
 
 class Server:

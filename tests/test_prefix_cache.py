@@ -203,6 +203,8 @@ def test_outputs_with_the_cache_equal_outputs_without_it(mesh):
     cfg = _config()
     if mesh != "one device":
         cfg = _sharded(cfg, mesh.split(", ")[1])
+    if mesh.endswith("local"):  # groups of two prompts resume at their common cached prefix
+        cfg = cfg.replace(serve_prefill_batch=2)
     engine = engine_for(cfg, seed=5)
     requests = workload(cfg.vocab_size, seed=len(mesh))
     cold, _ = serve(engine, cfg, requests)

@@ -26,7 +26,7 @@ from k3text.serving.multihost import LeaderEngine
 from k3text.tokenizer import load_tokenizer
 
 from helpers import ROOT, engine_for, tiny_config
-from serving import CPU, SHIPPED, Server, offline_decode
+from serving import CACHED, CPU, SHIPPED, Server, offline_decode
 
 # --------------------------------------------------------------------------------------------
 # The engine's pool.
@@ -269,7 +269,7 @@ def shipped(cache, tokenizer, tmp_path_factory):
     prompts = mixed_prompts(tokenizer)
     reference = offline_decode(tmp_path_factory.mktemp("offline"), CPU, prompts, MAX_STEPS,
                                *SHIPPED, cache=cache)
-    server = Server(CPU, *SHIPPED, cache=cache)
+    server = Server(CPU, *SHIPPED, *CACHED, cache=cache)  # the offline reference runs uncached
     yield server, prompts, reference
     assert server.stop() == 0, "\n".join(server.lines)
 
@@ -531,7 +531,11 @@ def test_isolation_under_concurrent_mixed_load(shipped):
     run_load(server, prompts, reference, 64, "k3-small")
     assert not [line for line in server.lines if "Traceback" in line or "ERROR" in line]
     compiles = [line for line in server.lines if "compiling" in line]
-    assert len(compiles) == 3, compiles  # prefill chunk, insert, generate: once each
+    # Prefill chunk, insert, generate, the prefix cache's restore and save: once each.
+    assert len(compiles) == 5, compiles
+    metrics = server.metrics()  # the load repeats prompts: the cache served some
+    assert metrics["k3text_prefix_cache_hit_tokens_total"] >= 16
+    assert 0 < metrics["k3text_prefix_cache_bytes"] <= 2_000_000
 
 
 # --------------------------------------------------------------------------------------------
@@ -614,11 +618,14 @@ def test_two_processes_serve_like_one(cache, tokenizer, tmp_path):
     reference = offline_decode(tmp_path, path, prompts, MAX_STEPS, *SHIPPED, cache=cache)
     distributed = ["jax_distributed_initialize=true", f"coordinator_address=localhost:{port}",
                    "num_processes=2"]
-    follower = Server(path, *SHIPPED, *distributed, "process_id=1", cache=cache, listens=False)
+    # With the prefix cache on: the followers replay its restores and saves too.
+    follower = Server(path, *SHIPPED, *CACHED, *distributed, "process_id=1", cache=cache,
+                      listens=False)
     server = None
     try:
-        server = Server(path, *SHIPPED, *distributed, "process_id=0", cache=cache)
+        server = Server(path, *SHIPPED, *CACHED, *distributed, "process_id=0", cache=cache)
         run_load(server, prompts, reference, 16, "k3-small")
+        assert server.metrics()["k3text_prefix_cache_hit_tokens_total"] >= 16
         assert not [line for line in server.lines + follower.lines if "Traceback" in line]
         assert server.stop() == 0, "\n".join(server.lines)
         assert follower.proc.wait(120) == 0, "\n".join(follower.lines)
