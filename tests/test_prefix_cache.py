@@ -222,6 +222,7 @@ def test_outputs_with_the_cache_equal_outputs_without_it(mesh):
     metrics = scheduler.metrics
     assert metrics.prefix_hit_tokens._value.get() == cache.hit_tokens
     assert metrics.prefix_evictions._value.get() == cache.tree.evictions
+    assert metrics.prefix_hit_rate._value.get() == cache.hit_tokens / cache.prompt_tokens
 
 
 def test_a_restored_prefix_is_the_cold_prefix_exactly():

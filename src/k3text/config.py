@@ -589,6 +589,8 @@ def divisibility_table(cfg: Config) -> list[tuple[str, str, int]]:
         ("heads", "num_attention_heads", cfg.num_attention_heads),
         ("mlp", "intermediate_size", cfg.intermediate_size),
         ("batch", "per_device_batch_size x data", cfg.global_batch_size),
+        ("cache_seq", "max_target_length in whole prefill chunks (the MLA cache positions)",
+         -(-cfg.max_target_length // cfg.prefill_chunk_size) * cfg.prefill_chunk_size),
     ]
     if cfg.q_lora_rank:
         rows.append(("q_lora", "q_lora_rank", cfg.q_lora_rank))

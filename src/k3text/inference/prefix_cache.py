@@ -40,7 +40,7 @@ import numpy as np
 
 from k3text import sharding
 from k3text.config import Config, ConfigError
-from k3text.models.state import DecodeState, cache_length, state_shapes
+from k3text.models.state import STATE_AXES, DecodeState, cache_length, state_shapes
 
 log = logging.getLogger("k3text.prefix_cache")
 
@@ -108,11 +108,14 @@ def restore_program(state: DecodeState, store: PrefixStore, entries: jax.Array,
     """Row p gets its first `lengths[p]` positions from the store: the MLA rows of blocks
     `entries[p, :lengths[p] // block]` and the KDA state at the end of the last of them. Rows of
     length 0 keep what they hold. entries [P, max blocks] (-1 = unused), lengths [P]."""
-    _, rows, positions, latent = state.mla_cache.shape
+    _, rows, positions, _ = state.mla_cache.shape
     block = store.mla.shape[2]
     safe = jnp.maximum(entries, 0)
-    gathered = store.mla[:, safe]  # [n_mla, P, max blocks, block, latent]
-    gathered = gathered.reshape(gathered.shape[0], rows, -1, latent)[:, :, :positions]
+    # Position by position (block, offset): the gathered rows take the cache's own layout, so
+    # a cache split by sequence gathers only each device's positions.
+    at = jnp.arange(positions)
+    gathered = store.mla[:, safe[:, at // block], (at % block)[None, :]]
+    gathered = sharding.constrain(gathered, STATE_AXES.mla_cache)
     kept = jnp.arange(positions)[None, :] < lengths[:, None]
     mla = jnp.where(kept[None, :, :, None], gathered.astype(state.mla_cache.dtype),
                     state.mla_cache)

@@ -6,7 +6,8 @@ Per token the layer caches only the latent `c_kv || k_r` (kv_lora_rank + qk_rope
   keys and values are materialised from the latent with `k_b_proj` / `v_b_proj` (cheap per
   query when many queries share the keys);
 - `step`: decode, absorbed: `k_b_proj` is folded into the query (q_nope -> latent space) and
-  `v_b_proj` into the output (latent -> v), so attention runs directly over the cached latents;
+  `v_b_proj` into the output (latent -> v), so attention runs directly over the cached latents
+  (`ops/mla.py`, which also splits it by sequence when the cache is split so);
 - `step_materialised`: decode by materialising K/V from the cache: the reference `step` is
   tested against.
 There is no positional encoding anywhere (`mla_use_nope`): the 64-wide `k_r` is a shared key
@@ -27,6 +28,7 @@ from k3text.layers.initializers import FP32, Init, compute_dtype, weight_dtype
 from k3text.layers.initializers import precision as precision_of
 from k3text.layers.linears import matmul
 from k3text.layers.normalizations import rms_norm
+from k3text.ops import mla as mla_ops
 
 # The two latent norms use eps 1e-6 whatever rms_norm_eps says (as the reference does).
 LATENT_NORM_EPS = 1e-6
@@ -143,8 +145,17 @@ class MLAAttention(nnx.Module):
             keys_from = jnp.pad(latent, ((0, 0), (0, -length % block), (0, 0)))
             blocks = keys_from.shape[1] // block
         else:
+            split = mla_ops.implementation() == "sequence_sharded"
+            if split:
+                # The chunk attends to every earlier position: the split cache is gathered once
+                # per layer and chunk, and each device keeps only its own positions afterwards
+                # (the chunk's rows land on their owners).
+                cache = sharding.constrain(cache, ("batch", None, "kv_lora"))
             cache = jax.lax.dynamic_update_slice(cache, latent.astype(cache.dtype), (0, start, 0))
             keys_from = cache
+            if split:  # pinned on both sides, or the partitioner gathers the cache a second time
+                keys_from = sharding.constrain(cache, ("batch", None, "kv_lora"))
+                cache = sharding.constrain(cache, ("batch", "cache_seq", "kv_lora"))
             block = math.gcd(cache.shape[1], self.cfg.mla_key_block)
             # Only blocks up to the end of this chunk can hold visible keys.
             blocks = (start + length + block - 1) // block
@@ -195,30 +206,20 @@ class MLAAttention(nnx.Module):
         return jnp.einsum("bhn,hcn->bhc", q_nope, self.k_b_proj[...].astype(q_nope.dtype),
                           precision=precision_of(self.cfg), preferred_element_type=FP32)
 
-    def _write(self, cache: jax.Array, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Write each row's new latent at its own position (dropped if past the cache end)."""
-        rows = jnp.arange(cache.shape[0])
-        return cache.at[rows, positions].set(self.latent(x).astype(cache.dtype), mode="drop")
-
     def step(self, x: jax.Array, cache: jax.Array, positions: jax.Array,
              ) -> tuple[jax.Array, jax.Array]:
         """Absorbed decode: x [B, hidden] at `positions` [B] -> (y [B, hidden], cache)."""
         cfg = self.cfg
         prec = precision_of(cfg)
         dtype = compute_dtype(cfg)
-        cache = self._write(cache, x, positions)
         q_nope, q_rope = self._query(x)
         # Each head's query against whole cached rows c_kv || k_r: q_latent . c_kv + q_rope . k_r
         # in one matmul, and the value sum over whole rows with the k_r columns dropped after;
         # slicing c_kv out of the cache would copy it every step.
         query = jnp.concatenate([self._absorbed_query(q_nope), q_rope.astype(FP32)], axis=-1)
-        latents = cache.astype(dtype)
-        scores = jnp.einsum("bhc,bsc->bhs", query.astype(dtype), latents, precision=prec,
-                            preferred_element_type=FP32) * self.scale
-        valid = jnp.arange(cache.shape[1])[None, :] <= positions[:, None]
-        probs = jax.nn.softmax(jnp.where(valid[:, None], scores, -jnp.inf), axis=-1)
-        o_latent = jnp.einsum("bhs,bsc->bhc", probs.astype(dtype), latents, precision=prec,
-                              preferred_element_type=FP32)[..., : cfg.kv_lora_rank]
+        o_latent, cache = mla_ops.decode_attention(query, self.latent(x), cache, positions,
+                                                   self.scale, prec, dtype)
+        o_latent = o_latent[..., : cfg.kv_lora_rank]
         o = jnp.einsum("bhc,hcv->bhv", o_latent.astype(dtype), self.v_b_proj[...].astype(dtype),
                        precision=prec, preferred_element_type=FP32)
         return self._output(x, o), cache
@@ -226,7 +227,7 @@ class MLAAttention(nnx.Module):
     def step_materialised(self, x: jax.Array, cache: jax.Array, positions: jax.Array,
                           ) -> tuple[jax.Array, jax.Array]:
         """Reference decode: materialise K/V for every cached position, then attend."""
-        cache = self._write(cache, x, positions)
+        cache = mla_ops.write_rows(cache, self.latent(x), positions)
         q_nope, q_rope = self._query(x)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)[:, None]
         k, v = self._keys_values(cache)

@@ -47,6 +47,9 @@ class Metrics:
         self.prefix_queried_tokens = Counter(
             "k3text_prefix_cache_queried_tokens", "Prompt tokens of requests that looked "
             "their prefix up in the cache", registry=r)
+        self.prefix_hit_rate = Gauge("k3text_prefix_cache_hit_rate", "Prompt tokens restored "
+                                     "from the prefix cache / prompt tokens looked up, since "
+                                     "start", registry=r)
         self.prefix_evictions = Counter("k3text_prefix_cache_evictions", "Cached blocks "
                                         "evicted to make room", registry=r)
         self.prefix_cached_bytes = Gauge("k3text_prefix_cache_bytes", "Device bytes (per "

@@ -250,6 +250,8 @@ class Scheduler:
                 counter.inc(new - old)
             self._cache_seen = now
             m.prefix_cached_bytes.set(cache.cached_bytes)
+            if cache.prompt_tokens:
+                m.prefix_hit_rate.set(cache.hit_tokens / cache.prompt_tokens)
             m.prefix_cached_blocks.set(cache.tree.cached_blocks)
 
     def _drop_cancelled(self) -> None:

@@ -256,6 +256,33 @@ def _attention_table(cfg: Config, weights: float) -> str:
             f"{cfg.qk_rope_head_dim}-wide k_r tail)")
 
 
+def _long_context_table(cfg: Config, machine: Machine, context: int) -> str:
+    """Per decode step, the MLA cache read at `context` for one sequence with the cache split
+    over the `cache_seq` devices (each reads its share) and replicated (every device reads all
+    of it), and the split cache's merge: per MLA layer a query all-gather, a max all-reduce and
+    one all-reduce of the merged sums, priced with the v7x-16 per-call latency bands."""
+    shards = cfg.axis_size("cache_seq")
+    devices = machine.chips * machine.hardware.devices_per_chip
+    per_device_bw = machine.bandwidth / devices
+    cache = context * bytes_per_sequence(cfg)["mla_cache_per_token"]
+    n_mla = cfg.structure.num_mla
+    calls = {"all-gather": n_mla, "all-reduce": 2 * n_mla}
+    low = sum(n * V7X16_CALL_LATENCY[k].low for k, n in calls.items())
+    high = sum(n * V7X16_CALL_LATENCY[k].high for k, n in calls.items())
+    merge = cfg.num_attention_heads * (cfg.mla_latent_dim + 1) * 4  # fp32 sums per sequence
+    rows = [
+        [f"split over {shards} devices (cache_seq)", gb(cache / shards),
+         _ms(cache / shards / per_device_bw), f"{3 * n_mla} per step, {merge:,} B each "
+         f"per sequence", f"{_ms(low)}-{_ms(high)}"],
+        [f"replicated on {devices} devices", gb(cache), _ms(cache / per_device_bw), "none",
+         "-"],
+    ]
+    return table(("MLA cache", "read per device per sequence", "HBM ms", "merge collectives",
+                  "merge ms"), rows,
+                 title=f"MLA decode attention at context={context:,}, one sequence per step "
+                       f"(latency bands: K3 report §12.1)")
+
+
 def render(cfg: Config, machine: Machine, latent: str | None, context: int,
            mfus: Sequence[float]) -> str:
     tensors = inventory.inventory(cfg)
@@ -276,6 +303,7 @@ def render(cfg: Config, machine: Machine, latent: str | None, context: int,
         _ladder_table(cfg, tensors, machine, latent, context, weight_flops),
         _prefill_table(machine, weight_flops, mfus),
         _attention_table(cfg, weight_flops),
+        _long_context_table(cfg, machine, context),
     ])
 
 

@@ -1,0 +1,119 @@
+"""MLA decode attention over the latent cache, absorbed: each head's query lives in latent space
+(`c_kv || k_r`, 576 wide for K3), so a step attends directly over the cached rows.
+
+`decode_attention(query, new_latent, cache, positions, ...)` writes each row's new latent at its
+position and attends over every cached position up to it. Two implementations, chosen by where
+the cache lives (the `cache_seq` logical axis):
+
+- `replicated` (the reference): the cache whole on every device; one softmax over all positions.
+- `sequence_sharded`: the cache split by position over the `cache_seq` mesh axes, so a device
+  holds 1/N of every sequence. Inside `shard_map` each device writes the new row only if it owns
+  the position, scores the (all-gathered) query against its own positions, and the devices
+  merge with a log-sum-exp combine: one `pmax` of the per-head score maxima, then one sum of
+  each head's exp-weighted latent sum and its normaliser together (a reduce-scatter over the
+  heads when heads split over the same devices, so each keeps its own heads). The cache never
+  moves; what crosses devices per layer and step is the query (B x H x 576 in the compute
+  dtype) and the sums (B x H x 577 fp32), whatever the context length.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from k3text import sharding
+
+log = logging.getLogger(__name__)
+
+FP32 = jnp.float32
+_LOGGED: set[str] = set()
+
+
+def implementation() -> str:
+    """`sequence_sharded` when the active mesh splits `cache_seq`, else `replicated`."""
+    ctx = sharding.active()
+    return "sequence_sharded" if ctx is not None and ctx.size("cache_seq") > 1 else "replicated"
+
+
+def write_rows(cache: jax.Array, latent: jax.Array, positions: jax.Array) -> jax.Array:
+    """cache [B, S, C] with row b's `latent[b]` at `positions[b]` (dropped past the end)."""
+    rows = jnp.arange(cache.shape[0])
+    return cache.at[rows, positions].set(latent.astype(cache.dtype), mode="drop")
+
+
+def attention_reference(query: jax.Array, cache: jax.Array, positions: jax.Array, scale: float,
+                        precision: jax.lax.Precision | None, dtype: jnp.dtype) -> jax.Array:
+    """query [B, H, C] over cache [B, S, C], positions <= positions[b] visible -> [B, H, C]."""
+    latents = cache.astype(dtype)
+    scores = jnp.einsum("bhc,bsc->bhs", query.astype(dtype), latents, precision=precision,
+                        preferred_element_type=FP32) * scale
+    valid = jnp.arange(cache.shape[1])[None, :] <= positions[:, None]
+    probs = jax.nn.softmax(jnp.where(valid[:, None], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhs,bsc->bhc", probs.astype(dtype), latents, precision=precision,
+                      preferred_element_type=FP32)
+
+
+def decode_attention(query: jax.Array, new_latent: jax.Array, cache: jax.Array,
+                     positions: jax.Array, scale: float, precision: jax.lax.Precision | None,
+                     dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """Write `new_latent` [B, C] at `positions` [B] into `cache` [B, S, C], then attend with
+    `query` [B, H, C] (fp32 out, [B, H, C]). Returns (output, cache)."""
+    choice = implementation()
+    if choice not in _LOGGED:
+        _LOGGED.add(choice)
+        log.info("mla decode attention: %s", choice)
+    if choice == "replicated":
+        cache = write_rows(cache, new_latent, positions)
+        return attention_reference(query, cache, positions, scale, precision, dtype), cache
+    return _sequence_sharded(query, new_latent, cache, positions, scale, precision, dtype)
+
+
+def _sequence_sharded(query: jax.Array, new_latent: jax.Array, cache: jax.Array,
+                      positions: jax.Array, scale: float, precision: jax.lax.Precision | None,
+                      dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    ctx = sharding.active()
+    seq_axes, head_axes = ctx.axes("cache_seq"), ctx.axes("heads")
+    cache_spec = ctx.spec(("batch", "cache_seq", "kv_lora"))
+    query_spec = ctx.spec(("batch", "heads", None))
+    rows_spec = ctx.spec(("batch", None))
+
+    # When heads split over the same devices as positions, each device keeps only its heads'
+    # merged sums (a reduce-scatter); otherwise every device gets them all.
+    scatter = bool(head_axes) and head_axes == seq_axes
+
+    def body(query, new_latent, cache, positions):
+        query = query.astype(dtype)  # as the reference scores it; half the bytes to gather
+        if head_axes:  # every device scores every head against its own positions
+            query = jax.lax.all_gather(query, head_axes, axis=1, tiled=True)
+        local = cache.shape[1]
+        offset = ctx.axis_index("cache_seq") * local
+        mine = positions - offset
+        owned = (mine >= 0) & (mine < local)
+        cache = write_rows(cache, new_latent, jnp.where(owned, mine, local))
+        latents = cache.astype(dtype)
+        scores = jnp.einsum("bhc,bsc->bhs", query, latents, precision=precision,
+                            preferred_element_type=FP32) * scale
+        visible = (offset + jnp.arange(local))[None, :] <= positions[:, None]
+        scores = jnp.where(visible[:, None], scores, -jnp.inf)
+        # Weights relative to the global maximum: every device's partial sums share one scale,
+        # so a single psum combines them.
+        peak = jax.lax.pmax(jnp.max(scores, axis=-1), seq_axes)
+        weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0)[..., None])
+        partial = jnp.einsum("bhs,bsc->bhc", weights.astype(dtype), latents,
+                             precision=precision, preferred_element_type=FP32)
+        sums = jnp.concatenate([partial, jnp.sum(weights, axis=-1, keepdims=True)], axis=-1)
+        if scatter:
+            merged = jax.lax.psum_scatter(sums, seq_axes, scatter_dimension=1, tiled=True)
+        else:
+            merged = jax.lax.psum(sums, seq_axes)
+        total = merged[..., -1:]
+        return merged[..., :-1] / jnp.where(total > 0, total, 1.0), cache
+
+    return jax.shard_map(
+        body, mesh=ctx.shard_map_mesh(),
+        in_specs=(query_spec, rows_spec, cache_spec, ctx.spec(("batch",))),
+        out_specs=(ctx.spec(("batch", "heads" if scatter else None, None)), cache_spec),
+        check_vma=False,
+    )(query, new_latent, cache, positions)
