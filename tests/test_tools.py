@@ -100,11 +100,11 @@ def k3_tp32():
 def test_decode_state_bytes(k3_tp32):
     cost = memory.sequence_cost(k3_tp32, memory.mesh_context(k3_tp32))
     assert cost.rows == 1
-    # 24 MLA layers x 576 latent values; replicated: no mesh axis splits one token's latent.
-    assert cost.per_position == 24 * 576 * 4 == 55_296
+    # 24 MLA layers x 576 latent values per token, the positions split over the 32 devices.
+    assert cost.per_position * 32 == 24 * 576 * 4 == 55_296
     for dtype, per_token in (("bfloat16", 27_648), ("float8_e4m3fn", 13_824)):
         c = k3_tp32.replace(mla_cache_dtype=dtype)
-        assert memory.sequence_cost(c, memory.mesh_context(c)).per_position == per_token
+        assert memory.sequence_cost(c, memory.mesh_context(c)).per_position * 32 == per_token
     shapes = memory.state_shapes(k3_tp32, 1, 1)
     assert shapes.kda_recurrent.size * 4 == 434_110_464  # 69 x 96 x 128 x 128 fp32
     assert shapes.kda_conv.size == 7_630_848  # 69 x 3 x (q, k, v) x 12288
@@ -252,16 +252,17 @@ def test_roofline_cli(capsys):
 
 
 def test_roofline_prices_the_compiled_collectives_with_the_v7x16_band(capsys):
-    # The 8-device CPU config's decode step, compiled in this process: 39 all-reduces priced
-    # at the chained psum's 16.3-18.8 us, 24 all-gathers across 2.35-18.8 us.
+    # The 8-device CPU config's decode step, compiled in this process: 47 all-reduces priced
+    # at the chained psum's 16.3-18.8 us, 28 all-gathers across 2.35-18.8 us (of them 8 and 4
+    # the split MLA cache's merge).
     config = str(CONFIG_DIR / "inference" / "cpu8-local.yml")
     assert roofline.main([config, "--collectives", "--chips", "16"]) == 0
     out = capsys.readouterr().out.split("Decode step communication")[1]
     rows = {line.split()[0]: line.split() for line in out.splitlines()[3:]}
-    assert rows["all-reduce"][1] == "39" and rows["all-gather"][1] == "24"
+    assert rows["all-reduce"][1] == "47" and rows["all-gather"][1] == "28"
     low, high = (float(v) for v in rows["collectives"][2].split("-"))
-    assert low == pytest.approx((39 * 16.3 + 24 * 2.35) / 1e3, abs=1e-3)
-    assert high == pytest.approx(63 * 18.8 / 1e3, abs=1e-3)
+    assert low == pytest.approx((47 * 16.3 + 28 * 2.35) / 1e3, abs=1e-3)
+    assert high == pytest.approx(75 * 18.8 / 1e3, abs=1e-3)
     assert "synthetic" in out and "HBM floor" in out
 
 
