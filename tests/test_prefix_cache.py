@@ -93,9 +93,9 @@ def workload(vocab: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
                other, other[:32] + ids(5), system[:16], ids(5), other + ids(30), system[:33]]
     order = rng.permutation(len(prompts)).tolist()
     out = []
-    for i in order + order[:6]:  # some come back after evictions
+    for i in order + order[:4]:  # some come back after evictions
         seeded = rng.random() < 0.25
-        params = SamplingParams(max_tokens=int(rng.integers(2, 6)),
+        params = SamplingParams(max_tokens=int(rng.integers(2, 5)),
                                 temperature=0.8 if seeded else 0.0,
                                 seed=int(rng.integers(1 << 30)) if seeded else None,
                                 logprobs=2, ignore_eos=True)
