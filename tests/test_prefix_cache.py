@@ -69,6 +69,9 @@ def test_eviction_takes_the_oldest_unreferenced_leaf_and_never_cuts_a_chain():
     node, new = tree.child(tree.root, (5, 5))
     assert new and len(tree.match([1, 1, 2, 2, 3, 3, 0])) == 2  # a's leaf went first
     assert len(tree.match([9, 9, 0])) == 1
+    tree.clear()  # after a failed call consumed the store: nothing cached, every entry free
+    assert tree.cached_blocks == 0 and sorted(tree.free_entries()) == [0, 1, 2, 3]
+    assert not tree.match([1, 1, 2, 2, 0]) and tree.evictions == 2
 
 
 # ---- through the scheduler ---------------------------------------------------------------------

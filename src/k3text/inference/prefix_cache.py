@@ -168,11 +168,16 @@ class BlockTree:
 
     def __init__(self, block: int, entries: int):
         self.block = block
+        self.entries = entries
+        self.evictions = 0
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every block (their entries all free again); the eviction count stays."""
         self.root = Block((), -1, None, 0)
-        self._free = list(range(entries))
+        self._free = list(range(self.entries))
         self._blocks: set[Block] = set()
         self._clock = itertools.count(1)
-        self.evictions = 0
 
     @property
     def cached_blocks(self) -> int:
@@ -219,10 +224,6 @@ class BlockTree:
 
     def free_entries(self) -> list[int]:
         return list(self._free)
-
-    def clear(self) -> None:
-        entries = len(self._free) + len(self._blocks)
-        self.__init__(self.block, entries)
 
 
 class CacheEngine(Protocol):
