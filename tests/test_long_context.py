@@ -115,3 +115,5 @@ def test_a_million_tokens_fit_dozens_of_sequences_on_v7x16(capsys):
     row = next(line for line in printed.splitlines() if line.startswith("1,048,576 *"))
     largest = int(row.split()[-1].replace(",", ""))
     assert largest >= 32, row
+    assert "with the MLA cache replicated (cache_seq: []) instead of split 32 ways: largest " \
+           "batch at context=1,048,576 1," in printed

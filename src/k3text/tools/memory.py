@@ -223,6 +223,15 @@ def _capacity_section(cfg: Config, free: float, cost: SequenceCost, batch: int,
     longest = max_context(cfg, free, cost, batch)
     out.append(f"longest context at batch={batch}: "
                + ("unbounded (no MLA cache)" if longest is None else f"{longest:,} tokens"))
+    if cfg.axis_size("cache_seq") > 1 and longest is not None:  # what the split buys
+        rules = {name: list(axes) for name, axes in cfg.logical_axis_rules.items()}
+        whole = cfg.replace(logical_axis_rules={**rules, "cache_seq": []})
+        whole_cost = sequence_cost(whole, mesh_context(whole))
+        whole_longest = max_context(whole, free, whole_cost, batch)
+        out.append(f"with the MLA cache replicated (cache_seq: []) instead of split "
+                   f"{cfg.axis_size('cache_seq')} ways: largest batch at context={context:,} "
+                   f"{max_batch(free, whole_cost, cache_positions(cfg, context)):,}, longest "
+                   f"context at batch={batch} {whole_longest:,} tokens")
     return "\n".join(out)
 
 
