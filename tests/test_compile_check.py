@@ -76,3 +76,26 @@ def test_v7x16_full_size_compile_check():
     # collective carries more than a few rows of activations, and none any of the cache.
     assert max(float(r[3]) for r in merge) * 1e6 == pytest.approx(96 * 576 * 2, rel=0.01)
     assert rows and max(float(r[2]) for r in rows if r not in merge) * 1e6 <= 64 * 1024
+
+
+@pytest.mark.slow
+def test_v7x16_decodes_4_sequences_of_a_million_tokens():
+    """Full K3 on 32 fake devices at 1M tokens of context and 4 sequences: the compiler's
+    per-device bytes of the decode step are the weights plus 4 sequences' split decode state
+    (1/32 of each MLA cache), and fit a v7x device's 94.74 GiB with the temporaries."""
+    result = subprocess.run(
+        [sys.executable, "-m", "k3text.tools.compile_check",
+         str(ROOT / "configs/inference/v7x16.yml"), "max_target_length=1048576",
+         "max_prefill_predict_length=1044480", "per_device_batch_size=4"],
+        capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights = float(re.search(r"weights ([\d.]+) GiB/device", result.stdout)[1])
+    state = float(re.search(r"decode state ([\d.]+) GiB/device", result.stdout)[1])
+    # 4 x 1,048,576 positions x 27,648 B / 32 devices, plus 4 sequences' KDA state split 32
+    # ways (449 MB each), and the lengths.
+    assert state == pytest.approx((4 * 1048576 * 27648 / 32 + 4 * 449372160 / 32) / 2**30,
+                                  abs=0.01)
+    line = next(x for x in result.stdout.splitlines() if x.startswith("decode step"))
+    argument, temp = (float(v) for v in re.findall(r"(?:argument|temp)\s+([\d.]+)", line))
+    assert argument == pytest.approx(weights + state, abs=0.02)
+    assert argument + temp < 94.74
