@@ -5,6 +5,7 @@ exit and nothing at --out; `--dry-run` reads headers only and lists every proble
 --out needs --force; an interrupted conversion leaves nothing behind.
 """
 
+import gc
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from k3text import files
 from k3text.checkpoint import convert, safetensors_io, store, synthetic
 from k3text.checkpoint.safetensors_io import INDEX_FILE, SafetensorsCheckpoint, save_file
 
@@ -248,3 +250,37 @@ def test_command_line_tool(source, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout and "tensors" in done.stderr  # the progress bar
     assert (tmp_path / "out" / "model.yml").is_file()
+
+
+def test_a_signal_inside_a_gc_callback_is_delivered_again_after_it():
+    """A Ctrl-C landing inside a garbage-collector callback (jax registers one) would be printed
+    as an ignored exception with a traceback and lost: the handler returns there instead, and
+    the signal arrives again once the callback is done; anywhere else it raises as before."""
+
+    def raising(signum, frame):
+        raise KeyboardInterrupt
+
+    handler = files.gc_safe(raising)
+    outcome, seen = [], []
+
+    def callback(phase, info):
+        if phase == "start" and not outcome:
+            try:
+                handler(signal.SIGUSR1, sys._getframe())
+                outcome.append("returned")
+            except KeyboardInterrupt:
+                outcome.append("raised")
+
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    gc.callbacks.append(callback)
+    try:
+        gc.collect()
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        gc.callbacks.remove(callback)
+        signal.signal(signal.SIGUSR1, previous)
+    assert outcome == ["returned"] and seen == [signal.SIGUSR1]
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGINT, sys._getframe())

@@ -6,12 +6,14 @@
 - `staged_directory`: the same for a directory (checkpoints, exports), with the existing
   target kept unless replacing it was asked for;
 - `uninterrupted`: SIGINT and SIGTERM held off while cleanup runs, so a second signal (or the
-  first arriving mid-cleanup) cannot leave a staging copy behind.
+  first arriving mid-cleanup) cannot leave a staging copy behind;
+- `gc_safe`: a signal handler that never raises inside a garbage-collector callback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import secrets
 import shutil
@@ -45,6 +47,30 @@ def uninterrupted() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _in_gc_callback(frame: Any) -> bool:
+    codes = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def gc_safe(handler: Callable[[int, Any], Any]) -> Callable[[int, Any], Any]:
+    """`handler` (one that raises: KeyboardInterrupt, SystemExit), except that a signal landing
+    inside a garbage-collector callback (jax registers one) is delivered again a moment later:
+    an exception raised there is printed as "Exception ignored" with a traceback and dropped,
+    and the signal would be lost."""
+
+    def deliver(signum: int, frame: Any) -> Any:
+        if _in_gc_callback(frame):
+            threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+            return None
+        return handler(signum, frame)
+
+    return deliver
 
 
 def check_output_file(path: str | os.PathLike, what: str = "output_file") -> Path:

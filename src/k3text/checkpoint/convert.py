@@ -497,7 +497,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--dry-run needs --hf-dir or --model-config")
     if not args.dry_run and (args.hf_dir is None or args.out is None):
         parser.error("--hf-dir and --out are required (or --dry-run)")
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, files.gc_safe(_terminate)),
+                signal.SIGINT: signal.signal(signal.SIGINT,
+                                             files.gc_safe(signal.default_int_handler))}
     try:
         if args.dry_run:
             return _dry_run(args)
@@ -518,7 +520,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted; nothing was written", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else (e.code or 1)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":
