@@ -521,7 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130 if isinstance(e, KeyboardInterrupt) else (e.code or 1)
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            if handler is not None:  # None: a handler not installed from Python
+                signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

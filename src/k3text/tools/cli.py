@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from k3text import files
 from k3text.checkpoint.safetensors_io import CheckpointError
 from k3text.config import Config, ConfigError, load_config
 
@@ -37,7 +38,11 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
     logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr, force=True)
     logging.getLogger("k3text").setLevel(logging.INFO)
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    previous = {}
+    if main_thread:  # never raising inside a garbage-collector callback (files.gc_safe)
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, files.gc_safe(_terminate)),
+                    signal.SIGINT: signal.signal(signal.SIGINT,
+                                                 files.gc_safe(signal.default_int_handler))}
     try:
         body(load_config(argv[0], argv[1:]))
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
@@ -51,8 +56,9 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
         print(f"{prog}: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            if handler is not None:  # None: a handler not installed from Python
+                signal.signal(signum, handler)
     return 0
 
 
