@@ -575,6 +575,20 @@ def _validate(cfg: Config) -> None:
              f"checkpoint is taken where a prefill chunk ends")
     _require(cfg.prefix_cache_bytes >= 0, f"prefix_cache_bytes must be >= 0, got "
              f"{cfg.prefix_cache_bytes}")
+    cp = cfg.prefill_context_parallelism
+    _require(cp >= 1, f"prefill_context_parallelism must be >= 1, got {cp}")
+    if cp > 1:
+        _require(cp % cfg.axis_size("batch") == 0,
+                 f"prefill_context_parallelism ({cp}) must be a multiple of the batch mesh axes' "
+                 f"size ({cfg.axis_size('batch')}): its rows split over them")
+        _require(cfg.prefill_chunk_size >= cfg.linear_attn_config.short_conv_kernel_size - 1,
+                 f"prefill_context_parallelism needs prefill_chunk_size "
+                 f"({cfg.prefill_chunk_size}) >= short_conv_kernel_size - 1: a slice's conv "
+                 f"inputs come from the slice before it only")
+        _require(not cfg.enable_prefix_caching,
+                 "prefill_context_parallelism > 1 and enable_prefix_caching cannot be combined: "
+                 "a cached block's KDA checkpoint is taken where a prefill chunk ends, and a "
+                 "context-parallel call ends only every prefill_context_parallelism chunks")
     _require(cfg.serve_shutdown_timeout >= 0, f"serve_shutdown_timeout must be >= 0, got "
              f"{cfg.serve_shutdown_timeout}")
     _validate_divisibility(cfg)

@@ -121,6 +121,8 @@ class Engine:
         bound = functools.partial
         self._prefill_chunk = jax.jit(bound(prefill_chunk_program, self.graphdef),
                                       donate_argnames=("prefix",))
+        self._prefill_slices = jax.jit(bound(prefill_chunk_program, self.graphdef, slices=True),
+                                       donate_argnames=("prefix",))
         self._insert = jax.jit(insert_program, static_argnames=("top_n",),
                                donate_argnames=("pool",))
         self._generate = jax.jit(bound(generate_program, cfg, self.graphdef),
@@ -218,13 +220,39 @@ class Engine:
                                        self._global(valid, ("batch", None)), prefix,
                                        jnp.int32(start))
 
+    def prefill_slices(self, prefix: Prefix, tokens: np.ndarray, valid: np.ndarray,
+                       start: int) -> Prefix:
+        """Context-parallel prefill of one sequence: its next `prefill_context_parallelism`
+        chunks in one call, chunk r in row r (tokens and valid [N, prefill_chunk_size], host
+        arrays, row r at absolute positions from start + r x chunk), into `prefix` (N rows,
+        each holding the sequence), which is consumed."""
+        self._note_shape("context-parallel prefill", "{} x {} tokens".format(*tokens.shape))
+        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
+            return self._prefill_slices(self.params, self._global(tokens, ("batch", None)),
+                                        self._global(valid, ("batch", None)), prefix,
+                                        jnp.int32(start))
+
+    def context_parallel(self, prompts: Sequence[Sequence[int]],
+                         cache: PrefixCache | None = None) -> bool:
+        """Whether `prefill` runs these prompts context-parallel: one prompt longer than one
+        chunk, no prefix cache, and `prefill_context_parallelism` > 1."""
+        cfg = self.cfg
+        return (cfg.prefill_context_parallelism > 1 and cache is None and len(prompts) == 1
+                and len(prompts[0]) > cfg.prefill_chunk_size)
+
     def prefill(self, prompts: Sequence[Sequence[int]], batch: int | None = None,
                 cache: PrefixCache | None = None) -> Prefix:
         """Prefill `prompts` into a prefix of `batch` rows (default: one per prompt; extra rows
         stay empty): the logits at each prompt's last token and each sequence's state. With a
         prefix `cache`, the group's longest common cached prefix is restored instead of
-        prefilled, and every block the prompts complete is cached."""
+        prefilled, and every block the prompts complete is cached.
+
+        When `context_parallel(prompts, cache)`, the prompt is prefilled
+        `prefill_context_parallelism` chunks per call instead, into a prefix of that many rows
+        (`batch` is ignored), each holding the sequence: insert row 0."""
         cfg = self.cfg
+        if self.context_parallel(prompts, cache):
+            return self._prefill_context_parallel(prompts[0])
         batch = batch or len(prompts)
         chunk = cfg.prefill_chunk_size
         longest = max(len(p) for p in prompts)
@@ -250,6 +278,24 @@ class Engine:
         finally:
             for chain in chains:
                 cache.end(chain)
+        return prefix
+
+    def _prefill_context_parallel(self, prompt: Sequence[int]) -> Prefix:
+        cfg = self.cfg
+        rows, chunk = cfg.prefill_context_parallelism, cfg.prefill_chunk_size
+        window = rows * chunk
+        padded = -(-len(prompt) // window) * window
+        if -(-len(prompt) // chunk) * chunk > cache_length(cfg):
+            raise ConfigError(f"prompt of {len(prompt)} tokens is longer than the "
+                              f"{cache_length(cfg)} cache positions")
+        tokens = np.full(padded, cfg.pad_token_id, np.int32)
+        tokens[: len(prompt)] = prompt
+        valid = np.arange(padded) < len(prompt)
+        prefix = self.new_prefix(rows)
+        for start in range(0, padded, window):
+            part = slice(start, start + window)
+            prefix = self.prefill_slices(prefix, tokens[part].reshape(rows, chunk),
+                                         valid[part].reshape(rows, chunk), start)
         return prefix
 
     def stop_ids(self, extra: Sequence[int] = (), ignore_eos: bool = False) -> np.ndarray:
@@ -354,7 +400,8 @@ class Engine:
         with seed `seed + i` (default `cfg.seed`) and generates at most `limits[i]` tokens
         (default `max_steps`, itself by default `max_decode_steps`). With a prefix `cache`
         each prompt is prefilled on its own, in order, so it can reuse the blocks of the
-        prompts before it (and of earlier calls)."""
+        prompts before it (and of earlier calls); so is every prompt when any is prefilled
+        context-parallel (`context_parallel`)."""
         cfg = self.cfg
         max_steps = cfg.max_decode_steps if max_steps is None else max_steps
         limits = [max_steps] * len(prompts) if limits is None else list(limits)
@@ -368,7 +415,7 @@ class Engine:
         slots = [i if i < len(prompts) else -1 for i in rows]
         stop = np.tile(self.stop_ids(), (batch, 1))
         params = sampling.config_sampling(cfg, batch, [seed + i for i in rows])
-        if cache is None:
+        if cache is None and not any(self.context_parallel([p]) for p in prompts):
             pool, first = self.insert(self.new_pool(batch), self.prefill(prompts, batch),
                                       slots, limits + [1] * (batch - len(prompts)), stop,
                                       params)
@@ -396,16 +443,20 @@ class Engine:
 
     def _insert_one_by_one(self, prompts: Sequence[Sequence[int]], batch: int,
                            limits: Sequence[int], stop: np.ndarray, params: SlotSampling,
-                           cache: PrefixCache) -> tuple[Pool, Tokens]:
-        """Prompt i prefilled alone through `cache` and inserted into slot i; the first tokens
-        of all `batch` rows (padding rows inactive)."""
+                           cache: PrefixCache | None) -> tuple[Pool, Tokens]:
+        """Prompt i prefilled alone (through `cache`, or context-parallel) and inserted into
+        slot i from its prefix's row 0; the first tokens of all `batch` rows (padding rows
+        inactive)."""
         pool = self.new_pool(batch)
         ids, lps = np.zeros(batch, np.int32), np.zeros(batch, np.float32)
         active = np.zeros(batch, bool)
         for i, prompt in enumerate(prompts):
-            row = jax.tree.map(lambda a, i=i: a[i:i + 1], params)
-            pool, one = self.insert(pool, self.prefill([prompt], 1, cache), [i], [limits[i]],
-                                    stop[i:i + 1], row)
+            prefix = self.prefill([prompt], self.ctx.size("batch"), cache)
+            rows = prefix.logits.shape[0]  # the other rows of a context-parallel prefix: padding
+            row = jax.tree.map(lambda a, i=i: np.repeat(a[i:i + 1], rows, axis=0), params)
+            pool, one = self.insert(pool, prefix, [i] + [-1] * (rows - 1),
+                                    [limits[i]] + [1] * (rows - 1),
+                                    np.repeat(stop[i:i + 1], rows, axis=0), row)
             ids[i], lps[i], active[i] = one.ids[0], one.logprobs[0], one.active[0]
         return pool, Tokens(ids, lps, None, None, np.ones(batch, np.int32), active)
 
@@ -418,11 +469,15 @@ def _merge(graphdef: Any, params: Any) -> Decoder:
 
 
 def prefill_chunk_program(graphdef: Any, params: Any, tokens: jax.Array, valid: jax.Array,
-                          prefix: Prefix, start: jax.Array) -> Prefix:
+                          prefix: Prefix, start: jax.Array, slices: bool = False) -> Prefix:
     """One prefill chunk (tokens and valid [P, C] at absolute positions from `start`) into
-    `prefix`; rows whose prompt has no token in the chunk keep their logits."""
-    logits, state = _merge(graphdef, params).prefill(tokens, valid, prefix.state, start)
+    `prefix`; rows whose prompt has no token in the chunk keep their logits. `slices`: the rows
+    are consecutive chunks of one sequence (`Decoder.prefill`)."""
+    logits, state = _merge(graphdef, params).prefill(tokens, valid, prefix.state, start,
+                                                      slices=slices)
     ends_here = jnp.any(valid, axis=1)
+    if slices:
+        ends_here = jnp.broadcast_to(jnp.any(ends_here), ends_here.shape)
     return Prefix(jnp.where(ends_here[:, None], logits, prefix.logits), state)
 
 

@@ -117,15 +117,24 @@ class KDAAttention(nnx.Module):
     # ---- entry points ---------------------------------------------------------------------
 
     def __call__(self, x: jax.Array, state: KDAState | None = None,
-                 valid: jax.Array | None = None) -> tuple[jax.Array, KDAState]:
+                 valid: jax.Array | None = None, slices: bool = False,
+                 ) -> tuple[jax.Array, KDAState]:
         """x [B, T, hidden] -> (y [B, T, hidden], final state).
 
         `valid` [B, T] marks real tokens; padding must come after each row's real tokens.
+        `slices`: the rows are consecutive slices of one sequence (a context-parallel prefill,
+        `k3text.ops.kda.context_parallel`; `state` is given, the same in every row); the final
+        state is the sequence's, in every row.
         """
         cfg, prec = self.cfg, precision(self.cfg)
         lengths = None if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
-        y, conv = kda_ops.causal_conv1d(self._qkv(x), self.qkv_conv[...],
-                                        None if state is None else state.conv, lengths=lengths)
+        qkv = self._qkv(x)
+        conv_in = None if state is None else state.conv
+        if slices:
+            conv_in = kda_ops.slice_halos(qkv, conv_in)
+        y, conv = kda_ops.causal_conv1d(qkv, self.qkv_conv[...], conv_in, lengths=lengths)
+        if slices:
+            conv = kda_ops.last_filled_row(conv, lengths)
         q, k, v = kda_ops.mix_qkv(y, cfg.linear_attn_config.num_heads)
         q, k, v = (sharding.constrain(t, ("batch", None, "heads", None)) for t in (q, k, v))
         f, beta_logits = self._gate_inputs(x)
@@ -135,10 +144,18 @@ class KDAAttention(nnx.Module):
             g = jnp.where(valid[:, :, None, None], g, 0.0)
             beta = jnp.where(valid[:, :, None], beta, 0.0)
         initial = None if state is None else state.recurrent
-        o, recurrent = kda_ops.prefill(
-            q, k, v, g, beta, implementation=cfg.kda_implementation, initial_state=initial,
-            chunk_size=cfg.kda_chunk_size,
-            gate_lower_bound=_lower_bound(cfg), precision=prec)
+
+        def delta_rule(q, k, v, g, beta, initial):
+            return kda_ops.prefill(
+                q, k, v, g, beta, implementation=cfg.kda_implementation, initial_state=initial,
+                chunk_size=cfg.kda_chunk_size, gate_lower_bound=_lower_bound(cfg),
+                precision=prec)
+
+        if slices:
+            o, recurrent = kda_ops.prefill_across_rows(delta_rule, q, k, v, g, beta, initial,
+                                                       precision=prec)
+        else:
+            o, recurrent = delta_rule(q, k, v, g, beta, initial)
         return self._output(x, o), KDAState(recurrent, conv)
 
     def step(self, x: jax.Array, state: KDAState) -> tuple[jax.Array, KDAState]:

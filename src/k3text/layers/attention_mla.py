@@ -122,7 +122,7 @@ class MLAAttention(nnx.Module):
 
     def __call__(self, x: jax.Array, cache: jax.Array | None = None,
                  start: jax.Array | int = 0, valid: jax.Array | None = None,
-                 ) -> tuple[jax.Array, jax.Array | None]:
+                 slices: bool = False) -> tuple[jax.Array, jax.Array | None]:
         """x [B, T, hidden] -> (y, updated cache).
 
         Without a cache: causal attention within x. With a cache [B, S, latent] the chunk's
@@ -130,6 +130,12 @@ class MLAAttention(nnx.Module):
         cached position up to itself (earlier chunks included), read back in the cache dtype.
         Keys are visited in blocks with an online softmax, so temporaries scale with
         T x `mla_key_block`, never with T x S.
+
+        `slices` (with a cache, the same in every row): the rows are consecutive slices of one
+        sequence, row r at positions [start + r T, start + (r + 1) T) (a context-parallel
+        prefill). Every row's latents are gathered to every row (576 values per token for K3),
+        written into each row's cache (positions past its end are dropped), and each row's
+        queries attend over all of them up to their own positions.
         """
         batch, length = x.shape[:2]
         q_nope, q_rope = self._query(x)
@@ -140,6 +146,12 @@ class MLAAttention(nnx.Module):
         # Keys that hold real tokens end at start + n_valid (padding sits after each row's
         # tokens); causality masks the rest.
         limit = start + n_valid
+        span = length  # the positions this call writes, from start
+        q_pos = start + jnp.arange(length)[None, :]
+        if slices:
+            span = batch * length
+            q_pos = start + jnp.arange(span).reshape(batch, length)
+            limit = jnp.broadcast_to(start + jnp.sum(n_valid), (batch,))
         if cache is None:
             block = min(self.cfg.mla_key_block, length)
             keys_from = jnp.pad(latent, ((0, 0), (0, -length % block), (0, 0)))
@@ -151,15 +163,22 @@ class MLAAttention(nnx.Module):
                 # per layer and chunk, and each device keeps only its own positions afterwards
                 # (the chunk's rows land on their owners).
                 cache = sharding.constrain(cache, ("batch", None, "kv_lora"))
-            cache = jax.lax.dynamic_update_slice(cache, latent.astype(cache.dtype), (0, start, 0))
+            if slices:
+                rows = sharding.constrain(latent.reshape(1, span, -1), (None, None, "kv_lora"))
+                cache = cache.at[:, start + jnp.arange(span)].set(
+                    jnp.broadcast_to(rows, (batch, *rows.shape[1:])).astype(cache.dtype),
+                    mode="drop")
+            else:
+                cache = jax.lax.dynamic_update_slice(cache, latent.astype(cache.dtype),
+                                                     (0, start, 0))
             keys_from = cache
             if split:  # pinned on both sides, or the partitioner gathers the cache a second time
                 keys_from = sharding.constrain(cache, ("batch", None, "kv_lora"))
                 cache = sharding.constrain(cache, ("batch", "cache_seq", "kv_lora"))
             block = math.gcd(cache.shape[1], self.cfg.mla_key_block)
-            # Only blocks up to the end of this chunk can hold visible keys.
-            blocks = (start + length + block - 1) // block
-        o = self._attend_blocked(q, keys_from, start + jnp.arange(length), limit, block, blocks)
+            # Only blocks up to the end of this call's positions can hold visible keys.
+            blocks = jnp.minimum((start + span + block - 1) // block, cache.shape[1] // block)
+        o = self._attend_blocked(q, keys_from, q_pos, limit, block, blocks)
         return self._output(x, o), cache
 
     def _attend_blocked(self, q: jax.Array, keys_from: jax.Array, q_pos: jax.Array,
@@ -167,8 +186,9 @@ class MLAAttention(nnx.Module):
         """Causal softmax attention of q [B,T,H,D] over the latents keys_from [B,S,latent],
         `block` keys at a time with a running max and sum (flash-attention style).
 
-        Keys are materialised from the latent one block at a time; key p is visible to query
-        position t when p <= t and p < limit[b]. Returns [B, T, H, v] in fp32.
+        Keys are materialised from the latent one block at a time; key p is visible to the query
+        at position q_pos[b, t] ([B or 1, T]) when p <= q_pos[b, t] and p < limit[b]. Returns
+        [B, T, H, v] in fp32.
         """
         batch, length, heads, _ = q.shape
         prec = precision_of(self.cfg)
@@ -181,7 +201,7 @@ class MLAAttention(nnx.Module):
             scores = jnp.einsum("bthd,bshd->bhts", q, k, precision=prec,
                                 preferred_element_type=FP32) * self.scale
             k_pos = j * block + jnp.arange(block)
-            visible = (k_pos[None, None, :] <= q_pos[None, :, None]) & (
+            visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
                 k_pos[None, None, :] < limit[:, None, None])
             scores = jnp.where(visible[:, None], scores, -jnp.inf)
             new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))

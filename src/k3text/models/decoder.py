@@ -216,27 +216,40 @@ class Decoder(nnx.Module):
         return self._logits(stream)
 
     def prefill(self, tokens: jax.Array, valid: jax.Array, state: DecodeState,
-                start: jax.Array) -> tuple[jax.Array, DecodeState]:
+                start: jax.Array, slices: bool = False) -> tuple[jax.Array, DecodeState]:
         """One prefill chunk: tokens [B, C] at absolute positions [start, start + C); rows may
         end early (`valid` [B, C], padding after the real tokens). Returns the logits [B, vocab]
         at each row's last real token of the chunk (garbage for rows with none) and the state
-        with the chunk absorbed. Only those B positions go through the LM head."""
+        with the chunk absorbed. Only those B positions go through the LM head.
+
+        `slices`: context-parallel prefill of one sequence, its state the same in every row:
+        row r holds the tokens at [start + r C, start + (r + 1) C) (padding only after the
+        sequence's last token). The mixers carry the sequence across the rows (KDA's conv and
+        state, MLA's keys); every row returns the sequence's logits at its last token and its
+        state."""
 
         def run(mixer, spec, kda_slot, mla_slot, h, state):
             if spec.mixer == "kda":
                 layer_state = KDAState(state.kda_recurrent[kda_slot], state.kda_conv[kda_slot])
-                a, new = mixer(h, layer_state, valid)
+                a, new = mixer(h, layer_state, valid, slices=slices)
                 return a, state._replace(
                     kda_recurrent=_set(state.kda_recurrent, kda_slot, new.recurrent),
                     kda_conv=_set(state.kda_conv, kda_slot, new.conv))
-            a, cache = mixer(h, state.mla_cache[mla_slot], start, valid)
+            a, cache = mixer(h, state.mla_cache[mla_slot], start, valid, slices=slices)
             return a, state._replace(mla_cache=_set(state.mla_cache, mla_slot, cache))
 
         stream, state = self._layers(self._stream(tokens), state, run)
+        batch, length = tokens.shape
         count = jnp.sum(valid, axis=1, dtype=jnp.int32)
-        lengths = jnp.where(count > 0, start + count, state.lengths)
-        rows = jnp.arange(tokens.shape[0])
+        rows = jnp.arange(batch)
         last = jnp.maximum(count - 1, 0)
+        if slices:  # the sequence's last token, in whichever row holds it, for every row
+            total = jnp.sum(count)
+            end = jnp.maximum(total - 1, 0)
+            rows, last = jnp.full((batch,), end // length), jnp.full((batch,), end % length)
+            lengths = jnp.where(total > 0, start + total, state.lengths)
+        else:
+            lengths = jnp.where(count > 0, start + count, state.lengths)
         if self.cfg.attn_res_block_size:
             stream = stream._replace(prefix_sum=stream.prefix_sum[rows, last],
                                      blocks=stream.blocks[:, rows, last])

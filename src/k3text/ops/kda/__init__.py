@@ -15,6 +15,8 @@ every implementation is tested against (tests/test_kda_ops.py runs them all on t
     ``shard_map``.
 - `causal_conv1d`, `causal_conv1d_step`: the conv (`conv`); `decay_gate`, `mix_qkv`: the
   activations (`activations`).
+- `prefill_across_rows`, `slice_halos`, `last_filled_row`: the delta rule and the conv over a
+  sequence split into rows, for context-parallel prefill (`context_parallel`).
 
 `resolve_prefill` turns ``auto`` into a name per backend and gate, from what
 ``python benchmarks/baselines.py --only kda`` and the harness measured:
@@ -37,6 +39,7 @@ import jax.numpy as jnp
 from k3text import sharding
 from k3text.ops.kda.activations import decay_gate, mix_qkv
 from k3text.ops.kda.chunked import kda_chunked
+from k3text.ops.kda.context_parallel import last_filled_row, prefill_across_rows, slice_halos
 from k3text.ops.kda.conv import causal_conv1d, causal_conv1d_step
 from k3text.ops.kda.reference import kda_recurrent, kda_step, l2_normalize
 
@@ -48,10 +51,13 @@ __all__ = [
     "decay_gate",
     "decode_step",
     "l2_normalize",
+    "last_filled_row",
     "mix_qkv",
     "prefill",
+    "prefill_across_rows",
     "resolve_decode",
     "resolve_prefill",
+    "slice_halos",
 ]
 
 log = logging.getLogger(__name__)

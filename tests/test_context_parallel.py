@@ -1,0 +1,141 @@
+"""Context-parallel prefill (`prefill_context_parallelism`): a prompt's consecutive chunks as the
+rows of one call, KDA's conv and state and MLA's keys carried across the rows. It must equal
+chunked prefill: the logits at the last token and every part of the final state (KDA recurrent
+and conv states, the MLA cache's rows, the length), on one device and on 8 devices with the rows
+split over the data axis, in both MoE modes; and decode from it must equal decode from chunked
+prefill."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3text.config import ConfigError
+from k3text.ops import kda as kda_ops
+
+from helpers import engine_for, tiny_config
+
+CHUNK = 16
+
+
+def _config(model: str, *overrides: str):
+    return tiny_config(model, "max_prefill_predict_length=112", "max_target_length=128",
+                       f"prefill_chunk_size={CHUNK}", f"kda_chunk_size={CHUNK}",
+                       "max_decode_steps=8", "ignore_eos=true", *overrides)
+
+
+def _prompt(cfg, n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(3, cfg.vocab_size, n).tolist()
+
+
+def _assert_prefixes_equal(got, want, length: int, atol: float = 1e-4) -> None:
+    """`got` row 0 (and every other row: each holds the sequence) against `want` row 0."""
+    rows = got.logits.shape[0]
+    for r in range(rows):
+        np.testing.assert_allclose(np.asarray(got.logits[r]), np.asarray(want.logits[0]),
+                                   atol=atol, rtol=1e-4, err_msg=f"logits, row {r}")
+        for name in ("kda_recurrent", "kda_conv"):
+            np.testing.assert_allclose(np.asarray(getattr(got.state, name)[:, r]),
+                                       np.asarray(getattr(want.state, name)[:, 0]),
+                                       atol=atol, rtol=1e-4, err_msg=f"{name}, row {r}")
+        # Cache rows past the prompt are never read (decode overwrites them first).
+        np.testing.assert_allclose(np.asarray(got.state.mla_cache[:, r, :length]),
+                                   np.asarray(want.state.mla_cache[:, 0, :length]),
+                                   atol=atol, rtol=1e-4, err_msg=f"mla_cache, row {r}")
+        assert int(got.state.lengths[r]) == int(want.state.lengths[0]) == length
+
+
+def test_rows_as_slices_equal_one_sequence():
+    """The op on its own: the delta rule of a sequence cut into rows against the same sequence
+    in one row, with an incoming state, gates at K3's bound and strong unbounded decays, and
+    the last rows padding."""
+    rng = np.random.default_rng(1)
+    rows, t, h, dk, dv = 4, 8, 2, 8, 6
+    n = rows * t
+    q, k = (jnp.asarray(rng.normal(size=(1, n, h, dk)), jnp.float32) for _ in range(2))
+    k = kda_ops.l2_normalize(k)
+    v = jnp.asarray(rng.normal(size=(1, n, h, dv)), jnp.float32)
+    g = jnp.asarray(np.where(rng.random((1, n, h, dk)) < 0.5, -5.0,
+                             -rng.uniform(0, 33, (1, n, h, dk))), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (1, n, h)), jnp.float32)
+    filled = n - t - 3  # the last row padding, the one before it partly
+    keep = (np.arange(n) < filled)[None, :]
+    g = jnp.where(keep[..., None, None], g, 0.0)
+    beta = jnp.where(keep[..., None], beta, 0.0)
+    s0 = jnp.asarray(rng.normal(size=(1, h, dk, dv)), jnp.float32)
+    prec = jax.lax.Precision.HIGHEST
+
+    def op(q, k, v, g, beta, s):
+        return kda_ops.prefill(q, k, v, g, beta, implementation="recurrent", initial_state=s,
+                               precision=prec)
+
+    want_o, want_s = op(q, k, v, g, beta, s0)
+    split = lambda a: a.reshape(rows, t, *a.shape[2:])  # noqa: E731
+    got_o, got_s = kda_ops.prefill_across_rows(
+        op, *(split(a) for a in (q, k, v, g, beta)), jnp.repeat(s0, rows, axis=0),
+        precision=prec)
+    np.testing.assert_allclose(np.asarray(got_o).reshape(1, n, h, dv)[:, :filled],
+                               np.asarray(want_o)[:, :filled], atol=2e-5, rtol=1e-5)
+    for r in range(rows):
+        np.testing.assert_allclose(np.asarray(got_s[r]), np.asarray(want_s[0]), atol=2e-5,
+                                   rtol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["k3-tiny", "kimi-linear-tiny"])
+@pytest.mark.parametrize("length", [17, 63, 100])
+def test_one_device_equals_chunked_prefill(model, length):
+    """Lengths ending mid-chunk in the first, a middle and the last row of a call, over 1 and
+    2 calls of 4 chunks. The chunked reference prefills into 4 rows too: the same matmul shapes,
+    so what differs is only the order of the delta rule's sums (the tokens of the first row
+    agree exactly)."""
+    chunked = engine_for(_config(model), seed=2)
+    parallel = engine_for(_config(model, "prefill_context_parallelism=4"), seed=2)
+    prompt = _prompt(chunked.cfg, length)
+    assert parallel.context_parallel([prompt]) and not chunked.context_parallel([prompt])
+    want = chunked.prefill([prompt], 4)
+    got = parallel.prefill([prompt])
+    assert got.logits.shape[0] == 4
+    _assert_prefixes_equal(got, want, length)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg = _config("k3-tiny")
+    prompts = [_prompt(cfg, n, seed=n) for n in (100, 40, 9)]
+    engine = engine_for(cfg, seed=4)
+    prefixes = {rows: engine.prefill(prompts[:1], rows) for rows in (2, 4)}
+    return cfg, prompts, prefixes, engine.decode_batch(prompts, batch=4)
+
+
+@pytest.mark.parametrize("mode,rows", [("local", 2), ("all_to_all", 4)])
+def test_eight_devices_equal_one_device_chunked(reference, mode, rows):
+    """Rows over data=2 (tensor 2 x expert 2 inside, the MLA cache split over those 4): the
+    prefix and the decode after it equal one device's chunked prefill and decode."""
+    cfg, prompts, want_prefixes, want = reference
+    split = cfg.replace(ici_data_parallelism=2, ici_tensor_parallelism=2,
+                        ici_expert_parallelism=2, moe_ep_mode=mode, per_device_batch_size=2,
+                        prefill_context_parallelism=rows)
+    engine = engine_for(split, seed=4)
+    assert engine.ctx.size("batch") == 2 and engine.ctx.size("cache_seq") == 4
+    _assert_prefixes_equal(engine.prefill(prompts[:1]), want_prefixes[rows], len(prompts[0]))
+    got = engine.decode_batch(prompts, batch=4)
+    for i in range(len(prompts)):
+        assert got.output_ids[i] == want.output_ids[i], f"prompt {i}"
+        np.testing.assert_allclose(got.output_logprobs[i], want.output_logprobs[i], atol=1e-4,
+                                   err_msg=f"prompt {i}")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["prefill_context_parallelism=0"], "prefill_context_parallelism must be >= 1"),
+    (["prefill_context_parallelism=3", "ici_data_parallelism=2"],
+     "must be a multiple of the batch mesh axes' size"),
+    (["prefill_context_parallelism=2", "prefill_chunk_size=2", "kda_chunk_size=2"],
+     "prefill_chunk_size \\(2\\) >= short_conv_kernel_size - 1"),
+    (["prefill_context_parallelism=2", "enable_prefix_caching=true"],
+     "cannot be combined"),
+])
+def test_bad_settings_are_one_clear_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _config("k3-tiny", *overrides)
