@@ -453,7 +453,7 @@ class Engine:
         for i, prompt in enumerate(prompts):
             prefix = self.prefill([prompt], self.ctx.size("batch"), cache)
             rows = prefix.logits.shape[0]  # the other rows of a context-parallel prefix: padding
-            row = jax.tree.map(lambda a, i=i: np.repeat(a[i:i + 1], rows, axis=0), params)
+            row = jax.tree.map(lambda a, i=i, n=rows: np.repeat(a[i:i + 1], n, axis=0), params)
             pool, one = self.insert(pool, prefix, [i] + [-1] * (rows - 1),
                                     [limits[i]] + [1] * (rows - 1),
                                     np.repeat(stop[i:i + 1], rows, axis=0), row)
