@@ -139,3 +139,35 @@ def test_eight_devices_equal_one_device_chunked(reference, mode, rows):
 def test_bad_settings_are_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         _config("k3-tiny", *overrides)
+
+
+def test_the_compiled_call_moves_only_small_cross_row_arrays():
+    """The 8-device context-parallel call (rows over data=2) moves no weight, and what crosses
+    the rows per KDA layer is at most 3 small collectives (the conv tails and the slices' state
+    maps, never a shift done as all-to-alls); per MLA layer one gather of the call's latents."""
+    import jax
+
+    from k3text import sharding
+    from k3text.tools import collectives, compile_check
+
+    cfg = _config("k3-tiny", "ici_data_parallelism=2", "ici_tensor_parallelism=2",
+                  "ici_expert_parallelism=2", "per_device_batch_size=2",
+                  "prefill_context_parallelism=2")
+    mesh = sharding.make_mesh(cfg, jax.devices()[:8])
+    ctx = sharding.MeshContext(mesh, cfg.logical_axis_rules)
+    with sharding.use_mesh(mesh, ctx.rules):
+        fn, args = compile_check.programs(compile_check.abstract_inputs(cfg, ctx))[
+            "context-parallel prefill"]
+        compiled, partitioned = collectives.partitioned_hlo(fn.lower(*args))
+    report = collectives.read(compiled.as_text(), partitioned_module=partitioned)
+    assert not report.moving_parameters()
+    st, lin = cfg.structure, cfg.linear_attn_config
+    cross = [c for c in report.collectives if "ops/kda/context_parallel.py" in c.source]
+    assert 0 < sum(c.per_call for c in cross) <= 3 * st.num_kda + 1
+    assert {c.kind for c in cross} <= {"all-gather", "all-reduce"}
+    rows, heads = 2, lin.num_heads // 2
+    largest_map = rows * heads * lin.head_dim * 2 * lin.head_dim * 4
+    assert max(c.bytes for c in cross) <= largest_map
+    latents = [c for c in report.collectives if "MLAAttention.latent" in c.source]
+    assert sum(c.per_call for c in latents) == st.num_mla
+    assert {c.bytes for c in latents} == {rows * CHUNK * cfg.mla_latent_dim * 4}

@@ -9,12 +9,13 @@ bytes per device, the ten largest, and a `!!` line for any that moves a paramete
 
 `--serving` adds the server's programs at the configured slot count (a prefill chunk into a
 `serve_prefill_batch`-row prefix, its insert into the pool, one `generate` call of
-`serve_steps_per_call` steps). `--tpu` also lowers every program for TPU (`jax.export`,
-platforms=["tpu"]) from this machine, so nothing CPU-only hides in the production path: under an
-abstract mesh of TPU v7x devices, so `auto` implementations pick what a TPU runs (tokamax's
-Mosaic KDA kernels), and it prints how many Mosaic kernel calls each program holds. Weight
-and state bytes are also computed from the real shardings (shard shape x itemsize), which is
-what `argument` should match.
+`serve_steps_per_call` steps). With `prefill_context_parallelism` > 1 it also compiles one
+context-parallel prefill call (that many chunks of one sequence, one per row). `--tpu` also
+lowers every program for TPU (`jax.export`, platforms=["tpu"]) from this machine, so nothing
+CPU-only hides in the production path: under an abstract mesh of TPU v7x devices, so `auto`
+implementations pick what a TPU runs (tokamax's Mosaic KDA kernels), and it prints how many
+Mosaic kernel calls each program holds. Weight and state bytes are also computed from the real
+shardings (shard shape x itemsize), which is what `argument` should match.
 """
 
 from __future__ import annotations
@@ -52,13 +53,23 @@ def abstract_inputs(cfg: Config, ctx: Any) -> dict[str, Any]:
                          shapes, sharding.tree_shardings(STATE_AXES, shapes, ctx))
     rows = ctx.sharding(("batch", None))
     chunk = cfg.prefill_chunk_size
-    return dict(
+    inputs = dict(
         graphdef=graphdef, params=params, state=state,
         token=jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=ctx.sharding(("batch",))),
         chunk=jax.ShapeDtypeStruct((batch, chunk), jnp.int32, sharding=rows),
         valid=jax.ShapeDtypeStruct((batch, chunk), jnp.bool_, sharding=rows),
         start=jax.ShapeDtypeStruct((), jnp.int32),
     )
+    slices = cfg.prefill_context_parallelism
+    if slices > 1:  # a context-parallel prefill call: one sequence's chunks as its rows
+        shapes = state_shapes(cfg, slices)
+        inputs |= dict(
+            slices_state=jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                shapes, sharding.tree_shardings(STATE_AXES, shapes, ctx)),
+            slices_chunk=jax.ShapeDtypeStruct((slices, chunk), jnp.int32, sharding=rows),
+            slices_valid=jax.ShapeDtypeStruct((slices, chunk), jnp.bool_, sharding=rows))
+    return inputs
 
 
 def per_device_bytes(tree: Any) -> int:
@@ -74,7 +85,10 @@ def per_device_bytes(tree: Any) -> int:
 
 
 def programs(inputs: dict[str, Any]) -> dict[str, tuple[Any, tuple]]:
-    """{name: (jitted function, abstract args)} for one decode step and one prefill chunk."""
+    """{name: (jitted function, abstract args)} for one decode step and one prefill chunk, and
+    one context-parallel prefill call when the config has `prefill_context_parallelism` > 1."""
+    import functools
+
     import jax
     from flax import nnx
 
@@ -83,16 +97,22 @@ def programs(inputs: dict[str, Any]) -> dict[str, tuple[Any, tuple]]:
     def decode_step(params, tokens, state):
         return nnx.merge(graphdef, params).decode(tokens, state)
 
-    def prefill_chunk(params, tokens, valid, state, start):
-        return nnx.merge(graphdef, params).prefill(tokens, valid, state, start)
+    def prefill_chunk(params, tokens, valid, state, start, slices=False):
+        return nnx.merge(graphdef, params).prefill(tokens, valid, state, start, slices=slices)
 
-    return {
+    found = {
         "decode step": (jax.jit(decode_step, donate_argnums=2),
                         (inputs["params"], inputs["token"], inputs["state"])),
         "prefill chunk": (jax.jit(prefill_chunk, donate_argnums=3),
                           (inputs["params"], inputs["chunk"], inputs["valid"], inputs["state"],
                            inputs["start"])),
     }
+    if "slices_state" in inputs:
+        found["context-parallel prefill"] = (
+            jax.jit(functools.partial(prefill_chunk, slices=True), donate_argnums=3),
+            (inputs["params"], inputs["slices_chunk"], inputs["slices_valid"],
+             inputs["slices_state"], inputs["start"]))
+    return found
 
 
 def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,

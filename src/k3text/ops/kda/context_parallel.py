@@ -28,9 +28,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from k3text import sharding
+
 __all__ = ["last_filled_row", "prefill_across_rows", "slice_halos"]
 
 _f32 = jnp.float32
+_CONV_AXES = (None, None, "heads")  # a conv state's [W - 1, 3, H*K] after its row
 
 
 def slice_halos(inputs: jax.Array, conv_state: jax.Array) -> jax.Array:
@@ -39,8 +42,12 @@ def slice_halos(inputs: jax.Array, conv_state: jax.Array) -> jax.Array:
     used) -> ``[N, W - 1, *C]``. A slice after a partly filled one gets that slice's padding: it
     holds only padding itself (padding comes last)."""
     width = conv_state.shape[1]
-    tails = inputs[:-1, inputs.shape[1] - width:].astype(conv_state.dtype)
-    return jnp.concatenate([conv_state[:1], tails], axis=0)
+    # Every row's tail on every device (one small all-gather), then a local shift; left to the
+    # partitioner, the shift over the split rows became several all-to-alls per layer.
+    tails = _whole_rows(inputs[:, inputs.shape[1] - width:].astype(conv_state.dtype),
+                        _CONV_AXES)
+    shifted = jnp.concatenate([_whole_rows(conv_state[:1], _CONV_AXES), tails[:-1]], axis=0)
+    return _own_rows(_whole_rows(shifted, _CONV_AXES), _CONV_AXES)
 
 
 def last_filled_row(x: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -49,7 +56,21 @@ def last_filled_row(x: jax.Array, lengths: jax.Array) -> jax.Array:
     lives in the slice that holds the last token."""
     rows = jnp.arange(x.shape[0])
     last = jnp.max(jnp.where(lengths > 0, rows, 0))
-    return jnp.broadcast_to(x[last], x.shape)
+    return _own_rows(jnp.broadcast_to(_whole_rows(x, _CONV_AXES)[last], x.shape), _CONV_AXES)
+
+
+def _whole_rows(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+    """x [N, ...] with every row on every device (an all-gather over the batch axes where the
+    rows are split); the other axes keep the layout `logical` names. Pinning the small
+    cross-row arrays whole, and their results whole until `_own_rows`, keeps the shifts and
+    the scan local: left to the partitioner, they became several all-to-alls and
+    collective-permutes per layer."""
+    return sharding.constrain(x, (None, *logical))
+
+
+def _own_rows(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+    """x [N, ...] back in the rows' layout (each device keeps its own rows: no communication)."""
+    return sharding.constrain(x, ("batch", *logical))
 
 
 def _compose(earlier: tuple[jax.Array, jax.Array], later: tuple[jax.Array, jax.Array],
@@ -83,12 +104,18 @@ def prefill_across_rows(
     start = jnp.concatenate([jnp.zeros((n, heads, dk, dv), _f32), identity], axis=-1)
     o_aug, s_aug = prefill(q, k, augmented, g, beta, start)
     zero_state_output, views = o_aug[..., :dv], o_aug[..., dv:]
+    # Every slice's map on every device (one all-gather of [N, H, K, V + K] per layer); the
+    # scan and each row's incoming state are then local.
+    s_aug = _whole_rows(s_aug, ("heads", None, None))
     maps = (s_aug[..., dv:], s_aug[..., :dv])  # per slice: (M [N,H,K,K], B [N,H,K,V])
     # Inclusive scan: after[r] = the map of slices 0..r; the state entering slice r is
     # after[r - 1] applied to the sequence's incoming state.
     after = jax.lax.associative_scan(lambda a, b: _compose(a, b, precision), maps)
-    s0 = initial_state[:1].astype(_f32)
+    state_axes = ("heads", None, None)
+    s0 = _whole_rows(initial_state[:1].astype(_f32), state_axes)
     states = _compose((jnp.zeros_like(after[0][:1]), s0), after, precision)[1]  # [N, H, K, V]
-    incoming = jnp.concatenate([s0, states[:-1]], axis=0)
-    o = zero_state_output + jnp.einsum("nthk,nhkv->nthv", views, incoming, precision=precision)
-    return o, jnp.broadcast_to(states[-1], (n, heads, dk, dv))
+    incoming = _whole_rows(jnp.concatenate([s0, states[:-1]], axis=0), state_axes)
+    o = zero_state_output + jnp.einsum("nthk,nhkv->nthv", views,
+                                       _own_rows(incoming, state_axes), precision=precision)
+    final = _whole_rows(jnp.broadcast_to(states[-1], (n, heads, dk, dv)), state_axes)
+    return o, _own_rows(final, state_axes)
