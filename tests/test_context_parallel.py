@@ -171,3 +171,29 @@ def test_the_compiled_call_moves_only_small_cross_row_arrays():
     latents = [c for c in report.collectives if "MLAAttention.latent" in c.source]
     assert sum(c.per_call for c in latents) == st.num_mla
     assert {c.bytes for c in latents} == {rows * CHUNK * cfg.mla_latent_dim * 4}
+
+
+def test_the_memory_tool_says_when_it_pays(capsys):
+    """v7x16 has one batch shard: it cannot pay there. With 4 data replicas of Kimi Linear a
+    100,000-token prompt takes a quarter of the calls, and what a call moves is its latent and
+    state-map gathers, computed independently here."""
+    from k3text.config import CONFIG_DIR
+    from k3text.tools import memory
+
+    assert memory.main([str(CONFIG_DIR / "inference" / "v7x16.yml")]) == 0
+    assert "this mesh has one batch shard: a context-parallel call's rows would run one after " \
+           "another" in capsys.readouterr().out
+    model = str(CONFIG_DIR / "models" / "kimi-linear-tiny.yml")
+    assert memory.main([model, "ici_data_parallelism=4", "ici_tensor_parallelism=2",
+                        "max_target_length=131072", "prefill_context_parallelism=4",
+                        "context=100000"]) == 0
+    printed = capsys.readouterr().out
+    cfg = tiny_config("kimi-linear-tiny")
+    chunk, lin = cfg.prefill_chunk_size, cfg.linear_attn_config
+    calls = -(-100_000 // chunk)
+    assert f"{calls:,} chunked calls on one batch shard (the other 3 idle" in printed
+    assert f"-> {-(-calls // 4):,} context-parallel calls" in printed
+    latents = 4 * chunk * cfg.mla_latent_dim * 4 // 1024  # fp32 activations in this config
+    assert f"MLA latent gathers of {latents:.2f} KiB" in printed
+    maps = 4 * (lin.num_heads // 2) * lin.head_dim * 2 * lin.head_dim * 4 / 1024
+    assert f"KDA state-map gathers of {maps:.2f} KiB" in printed

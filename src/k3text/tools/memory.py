@@ -7,7 +7,8 @@ decode state, the config's `logical_axis_rules`) on an abstract mesh of the conf
 any mesh size runs on one CPU. Then the capacity trade-off for a per-device HBM budget: the
 largest batch at a context, the longest context at a batch, where the constant KDA state
 and the growing MLA latent cache cross over, and what a prefix-cache block (its MLA rows and a
-KDA checkpoint) costs at each block size and how many fit beside the decode slots.
+KDA checkpoint) costs at each block size and how many fit beside the decode slots, and when a
+context-parallel prefill pays on the mesh and what one call moves.
 
 Not included: XLA temporaries and activations, which depend on the compiled graph (measure them
 with `compiled.memory_analysis()`; set them aside with --reserve-gib).
@@ -271,6 +272,48 @@ def _prefix_cache_section(cfg: Config, ctx: sharding.MeshContext, free: float,
     return "\n".join(out)
 
 
+def _context_parallel_section(cfg: Config, ctx: sharding.MeshContext, context: int) -> str:
+    """When a context-parallel prefill (`prefill_context_parallelism`) pays on this mesh, and
+    what one call of it moves and holds per device for a prompt of `context` tokens."""
+    title = ("Context-parallel prefill: one prompt's consecutive chunks as the rows of one call, "
+             "the rows split over the batch mesh axes")
+    replicas = ctx.size("batch")
+    if replicas == 1:
+        return (f"{title}\nthis mesh has one batch shard: a context-parallel call's rows would "
+                f"run one after another on the same devices, so it cannot shorten a prompt's "
+                f"prefill here (the {cfg.num_devices} devices already share every chunk's work "
+                f"by heads and experts). It pays with data replicas (ici_data_parallelism > 1) "
+                f"while fewer long prompts wait than there are replicas.")
+    rows = cfg.prefill_context_parallelism if cfg.prefill_context_parallelism > 1 else replicas
+    chunk, lin, st = cfg.prefill_chunk_size, cfg.linear_attn_config, cfg.structure
+    heads = lin.num_heads // ctx.size("heads")
+    width = heads * lin.head_dim
+    act = np.dtype(cfg.dtype).itemsize
+    latents = rows * chunk * cfg.mla_latent_dim * act
+    maps = rows * heads * lin.head_dim * 2 * lin.head_dim * 4
+    tails = 2 * rows * (lin.short_conv_kernel_size - 1) * 3 * width * act
+    moved = st.num_mla * latents + st.num_kda * (maps + tails)
+    prefix = sum(state_bytes_per_device(cfg, ctx, rows, cache_positions(cfg, context)).values())
+    calls = -(-context // chunk)
+    return "\n".join([
+        title + f" ({rows} rows over {replicas} batch shards"
+        + ("" if cfg.prefill_context_parallelism > 1 else "; prefill_context_parallelism=1 now, "
+           f"shown at {rows}") + ")",
+        f"a {context:,}-token prompt: {calls:,} chunked calls on one batch shard (the other "
+        f"{replicas - 1} idle unless prompts wait for them) -> {-(-calls // rows):,} "
+        f"context-parallel calls, each running one chunk per row",
+        f"per call: the delta rule runs over V + K = {2 * lin.head_dim} value columns instead "
+        f"of {lin.head_dim} (2x its work: it carries each slice's state map), and per device "
+        f"{nbytes(moved)} cross the rows ({st.num_mla} MLA latent gathers of {nbytes(latents)}, "
+        f"{st.num_kda} KDA state-map gathers of {nbytes(maps)} and conv tails of "
+        f"{nbytes(tails)})",
+        f"the prefix: {rows} rows each holding the sequence, {nbytes(prefix)} per device at "
+        f"context={context:,}",
+        f"pays while fewer than {replicas} long prompts wait (a prefill batch of {replicas} "
+        f"prompts keeps every shard busy without the extra work); chunked prefill stays the "
+        f"default"])
+
+
 def render(cfg: Config, hardware: str, hbm: float, reserve: float, batch: int,
            context: int) -> str:
     ctx = mesh_context(cfg)
@@ -296,6 +339,7 @@ def render(cfg: Config, hardware: str, hbm: float, reserve: float, batch: int,
                         f"{gib(reserve)} = {gib(free)} free per device for decode state\n"
                         + _capacity_section(cfg, free, cost, batch, context))
         sections.append(_prefix_cache_section(cfg, ctx, free, cost, batch, context))
+    sections.append(_context_parallel_section(cfg, ctx, context))
     sections.append("Not included: XLA temporaries and activations (compiled.memory_analysis(); "
                     "reserve them with --reserve-gib).")
     return "\n\n".join(sections)
