@@ -11,9 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_prefix_cache import serve  # the in-process scheduler driver
 
-from k3text.config import ConfigError
+from k3text import sharding
+from k3text.config import CONFIG_DIR, ConfigError
 from k3text.ops import kda as kda_ops
+from k3text.serving.scheduler import SamplingParams
+from k3text.tools import collectives, compile_check, memory
 
 from helpers import engine_for, tiny_config
 
@@ -145,11 +149,6 @@ def test_the_compiled_call_moves_only_small_cross_row_arrays():
     """The 8-device context-parallel call (rows over data=2) moves no weight, and what crosses
     the rows per KDA layer is at most 3 small collectives (the conv tails and the slices' state
     maps, never a shift done as all-to-alls); per MLA layer one gather of the call's latents."""
-    import jax
-
-    from k3text import sharding
-    from k3text.tools import collectives, compile_check
-
     cfg = _config("k3-tiny", "ici_data_parallelism=2", "ici_tensor_parallelism=2",
                   "ici_expert_parallelism=2", "per_device_batch_size=2",
                   "prefill_context_parallelism=2")
@@ -177,9 +176,6 @@ def test_the_memory_tool_says_when_it_pays(capsys):
     """v7x16 has one batch shard: it cannot pay there. With 4 data replicas of Kimi Linear a
     100,000-token prompt takes a quarter of the calls, and what a call moves is its latent and
     state-map gathers, computed independently here."""
-    from k3text.config import CONFIG_DIR
-    from k3text.tools import memory
-
     assert memory.main([str(CONFIG_DIR / "inference" / "v7x16.yml")]) == 0
     assert "this mesh has one batch shard: a context-parallel call's rows would run one after " \
            "another" in capsys.readouterr().out
@@ -197,3 +193,31 @@ def test_the_memory_tool_says_when_it_pays(capsys):
     assert f"MLA latent gathers of {latents:.2f} KiB" in printed
     maps = 4 * (lin.num_heads // 2) * lin.head_dim * 2 * lin.head_dim * 4 / 1024
     assert f"KDA state-map gathers of {maps:.2f} KiB" in printed
+
+
+def test_the_scheduler_prefills_long_prompts_context_parallel():
+    """Served in-process on 8 devices (rows over data=2): long prompts take the
+    context-parallel call, short ones the chunked groups, and every output equals the same
+    workload served with chunked prefill only (greedy and seeded, tokens identical)."""
+    cfg = _config("k3-tiny", "ici_data_parallelism=2", "ici_tensor_parallelism=2",
+                  "ici_expert_parallelism=2", "per_device_batch_size=2",
+                  "serve_prefill_batch=2", "serve_steps_per_call=2",
+                  "serve_prefill_token_budget=32")
+    rng = np.random.default_rng(6)
+    requests = []
+    for n in (100, 5, 40, 17, 64, 3, 90, 33):
+        seeded = rng.random() < 0.4
+        requests.append((rng.integers(3, cfg.vocab_size, n).tolist(),
+                         SamplingParams(max_tokens=int(rng.integers(2, 6)),
+                                        temperature=0.8 if seeded else 0.0,
+                                        seed=int(rng.integers(1 << 30)) if seeded else None,
+                                        logprobs=2, ignore_eos=True)))
+    chunked, _ = serve(engine_for(cfg, seed=3), cfg, requests)
+    parallel_cfg = cfg.replace(prefill_context_parallelism=2)
+    engine = engine_for(parallel_cfg, seed=3)
+    parallel, scheduler = serve(engine, parallel_cfg, requests)
+    assert ("context-parallel prefill", "2 x 16 tokens") in engine._shapes_seen
+    for i, (a, b) in enumerate(zip(chunked, parallel, strict=True)):
+        assert a["ids"] == b["ids"], f"request {i}"
+        np.testing.assert_allclose(b["lps"], a["lps"], atol=1e-4, err_msg=f"request {i}")
+    assert scheduler.metrics.running._value.get() == 0

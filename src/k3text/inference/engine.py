@@ -384,6 +384,10 @@ class Engine:
         chunk = np.full((prefill_batch, cfg.prefill_chunk_size), cfg.pad_token_id, np.int32)
         prefix = self.prefill_chunk(self.new_prefix(prefill_batch), chunk,
                                     np.zeros(chunk.shape, bool), 0)
+        rows = cfg.prefill_context_parallelism
+        if rows > 1:  # the context-parallel call long prompts take
+            window = np.full((rows, cfg.prefill_chunk_size), cfg.pad_token_id, np.int32)
+            self.prefill_slices(self.new_prefix(rows), window, np.zeros(window.shape, bool), 0)
         pool = self.new_pool(batch)
         pool, _ = self.insert(pool, prefix, [-1] * prefill_batch, [1] * prefill_batch,
                               np.tile(self.stop_ids(), (prefill_batch, 1)),

@@ -110,10 +110,11 @@ class _Prefill:
 
     rows: list[Request | None]  # None: a padding row (or one already inserted or cancelled)
     prefix: Prefix
-    tokens: np.ndarray  # [rows, whole chunks of the longest prompt]
+    tokens: np.ndarray  # [rows, whole chunks of the longest prompt]; context-parallel: [1, ...]
     valid: np.ndarray
     start: int = 0
     chains: list[Chain | None] = dataclasses.field(default_factory=list)  # prefix-cache rows
+    slices: bool = False  # one prompt prefilled context-parallel, a chunk per row per call
 
     @property
     def live(self) -> list[Request]:
@@ -285,13 +286,21 @@ class Scheduler:
                 if self._prefill is None:
                     return
             job = self._prefill
-            if spent and spent + chunk * len(job.live) > budget:
+            rows = len(job.rows)
+            width = chunk * rows if job.slices else chunk  # prompt tokens one call advances
+            cost = width if job.slices else chunk * len(job.live)
+            if spent and spent + cost > budget:
                 return
             began = time.perf_counter()
             try:
-                part = slice(job.start, job.start + chunk)
-                job.prefix = self.engine.prefill_chunk(job.prefix, job.tokens[:, part],
-                                                       job.valid[:, part], job.start)
+                part = slice(job.start, job.start + width)
+                if job.slices:
+                    job.prefix = self.engine.prefill_slices(
+                        job.prefix, job.tokens[0, part].reshape(rows, chunk),
+                        job.valid[0, part].reshape(rows, chunk), job.start)
+                else:
+                    job.prefix = self.engine.prefill_chunk(job.prefix, job.tokens[:, part],
+                                                           job.valid[:, part], job.start)
             except Exception:
                 log.exception("prefill failed")
                 self._prefill = None
@@ -301,8 +310,8 @@ class Scheduler:
                     self._free_slot(r.slot, on_device=False)
                     self._finish(r, "error", "internal error during prefill")
                 continue
-            spent += chunk * len(job.live)
-            job.start += chunk
+            spent += cost
+            job.start += width
             self._cache_blocks(job)
             self._insert_finished_rows(job)  # waits for the chunk when a row is ready
             self.metrics.prefill_seconds.inc(time.perf_counter() - began)
@@ -311,22 +320,28 @@ class Scheduler:
                 return
 
     def _start_prefill(self) -> _Prefill | None:
-        """A new group from the waiting requests, one per free slot; None if there is none."""
+        """A new group from the waiting requests, one per free slot; None if there is none. A
+        prompt at the head of the queue that `Engine.context_parallel` takes is prefilled alone,
+        `prefill_context_parallelism` chunks per call."""
         cfg = self.cfg
         with self._cv:
             if not (self._waiting and self._free):
                 return None
-        prefix = self.engine.new_prefix(self.prefill_batch)  # before any request leaves the queue
+            slices = self.prefix_cache is None and \
+                self.engine.context_parallel([self._waiting[0].prompt_ids])
+        batch = cfg.prefill_context_parallelism if slices else self.prefill_batch
+        prefix = self.engine.new_prefix(batch)  # before any request leaves the queue
         rows: list[Request | None] = []
         with self._cv:
-            while self._waiting and len(rows) < min(len(self._free), self.prefill_batch):
+            while self._waiting and len(rows) < min(len(self._free), 1 if slices else batch):
                 rows.append(self._waiting.popleft())
         if not rows:
             return None
         chunk = cfg.prefill_chunk_size
         longest = max(len(r.prompt_ids) for r in rows)
-        batch = self.prefill_batch
-        tokens = np.full((batch, -(-longest // chunk) * chunk), cfg.pad_token_id, np.int32)
+        window = chunk * batch if slices else chunk  # the prompt in whole calls
+        tokens = np.full((1 if slices else batch, -(-longest // window) * window),
+                         cfg.pad_token_id, np.int32)
         valid = np.zeros(tokens.shape, bool)
         for i, r in enumerate(rows):
             tokens[i, : len(r.prompt_ids)] = r.prompt_ids
@@ -335,7 +350,7 @@ class Scheduler:
             r.text = TextStream(self.tokenizer, r.params.stop)
             r.stop_ids = self.engine.stop_ids(r.params.stop_token_ids, r.params.ignore_eos)
         rows += [None] * (batch - len(rows))
-        job = _Prefill(rows, prefix, tokens, valid)
+        job = _Prefill(rows, prefix, tokens, valid, slices=slices)
         if self.prefix_cache is not None:
             try:
                 job.prefix, job.start, job.chains = self.prefix_cache.begin(
