@@ -7,7 +7,10 @@ the pool:
   so a scheduler can interleave a long prompt's chunks with decode calls). A prefix holds the
   logits at each prompt's last token and each sequence's whole decode state (KDA recurrent and
   conv states, MLA latent rows, length). Padding is a no-op on every state, so a ragged batch
-  gives each sequence exactly what it would get alone.
+  gives each sequence exactly what it would get alone. With `prefill_context_parallelism` = N a
+  prompt longer than one chunk is prefilled N chunks per call instead (`prefill_slices`: chunk
+  r in row r, the rows over the batch mesh axes; `Decoder.prefill` carries the sequence across
+  them).
 - `insert(pool, prefix, slots, sampling, limits, stop_ids)`: writes prefix rows into pool slots,
   every array of the slot overwritten (a slot never shows its former occupant's state), and
   samples each sequence's first token with its own parameters. Rows given slot -1 are padding:
