@@ -6,8 +6,8 @@ The two sequential parts of a KDA layer cross the slice boundaries here; everyth
 layer is per token.
 
 - The short conv needs the W - 1 inputs before each slice: row r's are the last W - 1 inputs of
-  row r - 1 (`slice_halos`, a shift by one row: one neighbour exchange), row 0's the incoming
-  conv state.
+  row r - 1 (`slice_halos`: the rows' tails gathered, a few KB, then shifted locally), row 0's
+  the incoming conv state.
 - The delta rule is linear in its state, so each slice's effect on it is an affine map
   S_out = M S_in + B (M [K, K] per head: the product of the slice's (I - beta k k^T) diag(alpha)
   factors). One pass over the augmented values [v | 0] from the state [0 | I] gives, per slice,
@@ -17,8 +17,8 @@ layer is per token.
   o_t = o_t(0) + S_in^T p_t: no second pass over the slice.
 
 The augmented pass is the ordinary prefill op over V + K value columns, so it runs in any of
-its implementations; `prefill_across_rows` is tested against the one-row prefill of the whole
-sequence (tests/test_context_parallel.py).
+its implementations; `prefill_across_rows` is tested against a float64 recurrence over the whole
+sequence, in each implementation (tests/test_context_parallel.py).
 """
 
 from __future__ import annotations
