@@ -89,7 +89,7 @@ def test_decode_loop_is_one_compiled_program(setup, monkeypatch):
 
     monkeypatch.setattr(Decoder, "decode", counting)
     engine._generate = jax.jit(
-        functools.partial(generate_program, engine.cfg, engine.graphdef),
+        functools.partial(generate_program, engine.cfg, engine.layout),
         static_argnames=("max_steps", "top_n"), donate_argnames=("pool",))
     first = engine.decode_batch([[5, 6, 7]], max_steps=cfg.max_decode_steps)
     second = engine.decode_batch([[9, 8]], max_steps=cfg.max_decode_steps)

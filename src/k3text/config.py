@@ -544,6 +544,9 @@ def _validate(cfg: Config) -> None:
         f"prefill_chunk_size ({cfg.prefill_chunk_size}) must be a multiple of kda_chunk_size "
         f"({cfg.kda_chunk_size})",
     )
+    buckets = list(cfg.prefill_buckets)
+    _require(all(b > 0 for b in buckets) and buckets == sorted(set(buckets)),
+             f"prefill_buckets must be increasing positive token widths, got {buckets}")
     _require(
         cfg.max_prefill_predict_length <= cfg.max_target_length,
         f"max_prefill_predict_length ({cfg.max_prefill_predict_length}) exceeds "

@@ -4,7 +4,9 @@ The shape of MaxText's engine API; every method is pure (state in, state out), t
 the pool:
 - `prefill(prompts)` -> `Prefix`: the prompts right-padded into one batch and run through one
   compiled chunk program `prefill_chunk_size` tokens at a time (`prefill_chunk` runs one chunk,
-  so a scheduler can interleave a long prompt's chunks with decode calls). A prefix holds the
+  so a scheduler can interleave a long prompt's chunks with decode calls); the last chunk runs
+  at the narrowest of `prefill_buckets` that holds what is left (`chunk_width`), so a short
+  prompt does not pay for a whole chunk of padding. A prefix holds the
   logits at each prompt's last token and each sequence's whole decode state (KDA recurrent and
   conv states, MLA latent rows, length). Padding is a no-op on every state, so a ragged batch
   gives each sequence exactly what it would get alone. With `prefill_context_parallelism` = N a
@@ -20,8 +22,9 @@ the pool:
   token limits; returns each slot's tokens and log-probabilities (chosen and top-N).
 - `release(pool, slots)`: marks slots free.
 
-Every program has fixed shapes (the slot count, whole prefill chunks, one prefill batch size per
-caller), so requests coming and going never recompile; `Engine.compiled` logs each new shape.
+Every program has fixed shapes (the slot count, whole prefill chunks or `prefill_buckets`, one
+prefill batch size per caller), so requests coming and going never recompile; a log line names
+each shape as it compiles, and `warm_up` compiles them all.
 `decode_batch(prompts)` is the offline driver's call: prefill, insert into a pool of `batch`
 slots, generate to the end.
 """
@@ -43,7 +46,7 @@ from jax.experimental import multihost_utils
 
 from k3text import sharding
 from k3text.config import Config, ConfigError
-from k3text.inference import prefix_cache, sampling
+from k3text.inference import prefix_cache, sampling, weights
 from k3text.inference.prefix_cache import STORE_AXES, PrefixCache, PrefixStore
 from k3text.inference.sampling import SlotSampling
 from k3text.models.decoder import Decoder, per_layer_state, split_for_unrolled, stacked_state
@@ -121,20 +124,23 @@ class Engine:
         self.graphdef, self.params = nnx.split(model)
         if not model.cfg.scan_layers:  # the model's config decides how its layers run
             self.params = split_for_unrolled(self.params, split_experts=ctx.size("exp") == 1)
+        # The programs take the parameters as a few flat buffers (`weights.py`): far cheaper to
+        # dispatch than the State's hundreds of Variables.
+        self._weights, self.layout = weights.flatten(self.graphdef, self.params)
         bound = functools.partial
-        self._prefill_chunk = jax.jit(bound(prefill_chunk_program, self.graphdef),
+        self._prefill_chunk = jax.jit(bound(prefill_chunk_program, self.layout),
                                       donate_argnames=("prefix",))
-        self._prefill_slices = jax.jit(bound(prefill_chunk_program, self.graphdef, slices=True),
+        self._prefill_slices = jax.jit(bound(prefill_chunk_program, self.layout, slices=True),
                                        donate_argnames=("prefix",))
         self._insert = jax.jit(insert_program, static_argnames=("top_n",),
                                donate_argnames=("pool",))
-        self._generate = jax.jit(bound(generate_program, cfg, self.graphdef),
+        self._generate = jax.jit(bound(generate_program, cfg, self.layout),
                                  static_argnames=("max_steps", "top_n"),
                                  donate_argnames=("pool",))
         self._release = jax.jit(release_program, donate_argnames=("pool",))
         self._restore = jax.jit(prefix_cache.restore_program, donate_argnames=("state",))
         self._save = jax.jit(prefix_cache.save_program, donate_argnames=("store",))
-        self._step = jax.jit(bound(_step_program, cfg, self.graphdef),
+        self._step = jax.jit(bound(_step_program, cfg, self.layout),
                              donate_argnames=("state",))
         self._zeros: dict[tuple[str, int], Callable[[], Any]] = {}
         self._shapes_seen: set[tuple[str, str]] = set()
@@ -213,13 +219,24 @@ class Engine:
                 raise ConfigError(f"prompt {i} has token ids outside [0, vocab_size="
                                   f"{cfg.vocab_size}): {bad[:5]}")
 
+    def chunk_width(self, remaining: int) -> int:
+        """Tokens of the prefill call that runs a prompt's next `remaining` tokens: the
+        smallest of `prefill_buckets` that holds them, else a whole chunk."""
+        return next((b for b in self.buckets if b >= remaining), self.cfg.prefill_chunk_size)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The `prefill_buckets` narrower than a chunk (the others never run)."""
+        return tuple(b for b in self.cfg.prefill_buckets if b < self.cfg.prefill_chunk_size)
+
     def prefill_chunk(self, prefix: Prefix, tokens: np.ndarray, valid: np.ndarray,
                       start: int) -> Prefix:
-        """Run one chunk (tokens and valid [P, prefill_chunk_size], host arrays, at absolute
-        positions from `start`) into `prefix`, which is consumed."""
+        """Run one chunk (tokens and valid [P, width], host arrays, at absolute positions from
+        `start`; width `prefill_chunk_size` or one of `prefill_buckets`) into `prefix`, which
+        is consumed."""
         self._note_shape("prefill chunk", "{} x {} tokens".format(*tokens.shape))
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
-            return self._prefill_chunk(self.params, self._global(tokens, ("batch", None)),
+            return self._prefill_chunk(self._weights, self._global(tokens, ("batch", None)),
                                        self._global(valid, ("batch", None)), prefix,
                                        jnp.int32(start))
 
@@ -231,7 +248,7 @@ class Engine:
         each holding the sequence), which is consumed."""
         self._note_shape("context-parallel prefill", "{} x {} tokens".format(*tokens.shape))
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
-            return self._prefill_slices(self.params, self._global(tokens, ("batch", None)),
+            return self._prefill_slices(self._weights, self._global(tokens, ("batch", None)),
                                         self._global(valid, ("batch", None)), prefix,
                                         jnp.int32(start))
 
@@ -274,10 +291,10 @@ class Engine:
             prefix, resume, chains = cache.begin(prefix, rows)
         try:
             for start in range(resume, padded, chunk):
-                part = slice(start, start + chunk)
+                part = slice(start, start + self.chunk_width(longest - start))
                 prefix = self.prefill_chunk(prefix, tokens[:, part], valid[:, part], start)
                 if cache is not None:
-                    cache.after_chunk(prefix, chains, start + chunk)
+                    cache.after_chunk(prefix, chains, part.stop)
         finally:
             for chain in chains:
                 cache.end(chain)
@@ -336,7 +353,7 @@ class Engine:
         slot stops first). `pool` is consumed."""
         self._note_shape("generate", f"{pool.slots.tokens.shape[0]} slots x {n_steps} steps")
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
-            pool, out = self._generate(self.params, pool, max_steps=n_steps, top_n=top_n)
+            pool, out = self._generate(self._weights, pool, max_steps=n_steps, top_n=top_n)
             ids, lps, top_ids, top_lps, count, active, steps = _to_host(out)
         return pool, Tokens(ids, lps, top_ids, top_lps, count, active, int(steps))
 
@@ -371,7 +388,7 @@ class Engine:
         """One decode step for tokens [B]: (sampled next tokens [B], their log-probabilities
         [B], the logits [B, vocab], new state)."""
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
-            return self._step(self.params, tokens, state, key)
+            return self._step(self._weights, tokens, state, key)
 
     def warm_up(self, batch: int, max_steps: int | None = None, prefill_batch: int | None = None,
                 top_n: int = 0) -> float:
@@ -384,9 +401,10 @@ class Engine:
         max_steps = cfg.max_decode_steps - 1 if max_steps is None else max_steps
         prefill_batch = prefill_batch or batch
         t0 = time.perf_counter()
-        chunk = np.full((prefill_batch, cfg.prefill_chunk_size), cfg.pad_token_id, np.int32)
-        prefix = self.prefill_chunk(self.new_prefix(prefill_batch), chunk,
-                                    np.zeros(chunk.shape, bool), 0)
+        prefix = self.new_prefix(prefill_batch)
+        for width in (*self.buckets, cfg.prefill_chunk_size):
+            chunk = np.full((prefill_batch, width), cfg.pad_token_id, np.int32)
+            prefix = self.prefill_chunk(prefix, chunk, np.zeros(chunk.shape, bool), 0)
         rows = cfg.prefill_context_parallelism
         if rows > 1:  # the context-parallel call long prompts take
             window = np.full((rows, cfg.prefill_chunk_size), cfg.pad_token_id, np.int32)
@@ -472,6 +490,10 @@ class Engine:
 
 
 def _merge(graphdef: Any, params: Any) -> Decoder:
+    """The model, from its graph and parameters, or from a `weights.WeightLayout` and the flat
+    buffers the engine passes."""
+    if isinstance(graphdef, weights.WeightLayout):
+        graphdef, params = graphdef.graphdef, weights.unflatten(graphdef, params)
     return nnx.merge(graphdef, params)
 
 

@@ -2,7 +2,8 @@
 
 One thread owns the engine and the pool and loops over iterations:
 1. requests cancelled (client gone, shutdown) leave the queue or free their slot;
-2. prefill under a token budget (`serve_prefill_token_budget`, whole chunks, at least one): the
+2. prefill under a token budget (`serve_prefill_token_budget`, at least one call; a group's
+   last call at the narrowest of `prefill_buckets` that holds what is left of its prompts): the
    request being prefilled advances chunk by chunk, a new one starts when a slot is free, and a
    finished prefix is inserted into its slot, which also samples its first token — so a long
    prompt never stalls the running sequences for its whole length. With
@@ -287,8 +288,12 @@ class Scheduler:
                     return
             job = self._prefill
             rows = len(job.rows)
-            width = chunk * rows if job.slices else chunk  # prompt tokens one call advances
-            cost = width if job.slices else chunk * len(job.live)
+            if job.slices:
+                width = cost = chunk * rows  # prompt tokens one call advances
+            else:
+                width = self.engine.chunk_width(max(len(r.prompt_ids) for r in job.live)
+                                                - job.start)
+                cost = width * len(job.live)
             if spent and spent + cost > budget:
                 return
             began = time.perf_counter()
