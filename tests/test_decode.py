@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3text.inference import weights
 from k3text.inference.engine import generate_program
 from k3text.layers.attention_kda import KDAAttention, KDAState
 from k3text.layers.attention_mla import MLAAttention
@@ -47,6 +48,52 @@ def test_prefill_then_decode_matches_full_forward(setup):
         for row, n in enumerate(LENGTHS):
             np.testing.assert_allclose(logits[row], full[n + j], atol=2e-4 * scale,
                                        err_msg=f"decode step {j}, prompt length {n}")
+
+
+@pytest.mark.parametrize("length", [5, 16, 20, 70, 100])
+def test_prefill_buckets_match_the_full_forward(setup, length):
+    """A prompt's last chunk at a narrower width (16 or 32 tokens) gives the full forward's
+    logits and decode steps, like a whole chunk."""
+    cfg, model, _ = setup
+    bucketed = cfg.replace(prefill_buckets=[16, 32])
+    engine = engine_for(bucketed, model)
+    rng = np.random.default_rng(length)
+    tokens = rng.integers(3, cfg.vocab_size, length + 2)
+    full = np.asarray(nnx.jit(lambda m, t: m.forward(t))(model, jnp.asarray(tokens[None])))[0]
+    scale = np.abs(full).max()
+    logits, state = engine.prefill([tokens[:length]])
+    np.testing.assert_allclose(logits[0], full[length - 1], atol=2e-4 * scale)
+    for j in range(2):
+        _, _, logits, state = engine.step(jnp.asarray([tokens[length + j]], jnp.int32), state,
+                                          jax.random.key(0))
+        np.testing.assert_allclose(logits[0], full[length + j], atol=2e-4 * scale)
+    last = length - (length - 1) // 64 * 64  # tokens the last call holds
+    width = 16 if last <= 16 else 32 if last <= 32 else 64
+    assert ("prefill chunk", f"1 x {width} tokens") in engine._shapes_seen
+    assert engine.chunk_width(last) == width
+
+
+def test_weights_travel_as_few_buffers_and_come_back_exact(setup):
+    cfg, _, engine = setup
+    leaves = jax.tree.leaves(engine.params)
+    assert len(engine._weights) < len(leaves) // 3
+    back = jax.tree.leaves(jax.jit(lambda w: weights.unflatten(engine.layout, w))(
+        engine._weights))
+    for a, b in zip(leaves, back, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    big = [a for a in leaves if a.nbytes > weights.PACK_BYTES]
+    assert big and all(any(a is w for w in engine._weights) for a in big)  # never copied
+
+
+def test_sharded_weights_are_never_packed():
+    cfg = tiny_config("k3-tiny", "ici_tensor_parallelism=2", "ici_expert_parallelism=2")
+    engine = engine_for(cfg)
+    for a, place in zip(jax.tree.leaves(engine.params), engine.layout.leaves, strict=True):
+        if not a.sharding.is_fully_replicated:
+            assert isinstance(place, int), a.shape
+            assert engine._weights[place] is a
+    assert any(isinstance(p, weights.Packed) for p in engine.layout.leaves)
 
 
 def test_ragged_batch_equals_one_by_one(setup):

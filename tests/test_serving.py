@@ -23,6 +23,7 @@ from k3text import corpus
 from k3text.config import load_config
 from k3text.inference import sampling
 from k3text.serving.multihost import LeaderEngine
+from k3text.serving.scheduler import SamplingParams
 from k3text.tokenizer import load_tokenizer
 
 from helpers import ROOT, engine_for, tiny_config
@@ -66,6 +67,30 @@ def test_the_leader_engine_broadcasts_and_refuses_a_pool_it_replaced(tiny):
         leader.release(pool, [1])
     leader.release(newer, [1])
     leader.close()
+
+
+def test_the_scheduler_prefills_through_buckets_like_whole_chunks(tiny):
+    """With `prefill_buckets`, groups whose prompts end early run narrower calls (each width
+    seen), and every request's tokens and log-probabilities equal those served with whole
+    chunks only; two prompts per group, so a group's width follows its longest prompt."""
+    from test_prefix_cache import serve  # the in-process scheduler driver
+
+    cfg, _ = tiny
+    rng = np.random.default_rng(4)
+    requests = [(rng.integers(3, cfg.vocab_size, n).tolist(),
+                 SamplingParams(max_tokens=5, temperature=0.0 if i % 2 else 0.8, seed=i))
+                for i, n in enumerate((3, 9, 16, 17, 40, 33, 64, 1))]
+    served = {}
+    for buckets in ([], [8, 16]):
+        bucketed = cfg.replace(prefill_buckets=buckets, per_device_batch_size=4,
+                               serve_prefill_batch=2)
+        engine = engine_for(bucketed, seed=3)
+        served[len(buckets)], _ = serve(engine, bucketed, requests)
+        widths = {shape for program, shape in engine._shapes_seen if program == "prefill chunk"}
+        assert widths == {f"2 x {w} tokens" for w in (*buckets, 32)}, widths
+    for whole, narrow in zip(served[0], served[2], strict=True):
+        assert whole["ids"] == narrow["ids"]
+        np.testing.assert_allclose(whole["lps"], narrow["lps"], atol=1e-4)  # shape rounding
 
 
 def test_insert_overwrites_every_array_of_a_poisoned_slot(tiny):
