@@ -1,23 +1,26 @@
 """Load against the server, and the same requests through the offline engine.
 
     python benchmarks/serve_load.py [CONFIG] [key=value ...] [--requests N] [--rates 2,8,32]
-                                    [--concurrency C] [--seed S] [--out DIR] [--shared-prefix]
+                                    [--concurrency C] [--rounds R] [--seed S] [--out DIR]
+                                    [--shared-prefix]
 
-1. Starts `python -m k3text.serve CONFIG` (default: the shipped model, configs/inference/cpu.yml,
+1. Compiles the offline engine on the same config in this process, then starts
+   `python -m k3text.serve CONFIG` (default: the shipped model, configs/inference/cpu.yml,
    8 slots) on a free port and waits for /health.
 2. A workload of N requests: prompt lengths mixed (half a short fact prompt, half random ids
    of 16 to `max_prefill_predict_length` tokens), output lengths 8 to 32 tokens for 75% of
    them and 96 to 192 for the rest (greedy, `ignore_eos`: each request generates exactly its
    drawn length; the cache is raised to 256 positions for them).
-3. Poisson arrivals at each rate, then a fixed-concurrency mode (C clients, each sending its
-   next request when the last one ends; C = 2 x slots keeps every slot busy: saturation).
-   Every request streams; the client times its first token (TTFT) and its tokens after the
-   first (TPOT = (last - first) / (tokens - 1)); output tokens/s = all tokens / wall time.
-4. Stops the server, then in this process (the server is gone: the cores are free) runs the
-   offline engine on the same config: its steady-state decode (every slot busy for as many
-   steps as the longest request: tokens/s and the per-step time) and the same workload in
+3. Poisson arrivals at each rate. Every request streams; the client times its first token
+   (TTFT) and its tokens after the first (TPOT = (last - first) / (tokens - 1)); output
+   tokens/s = all tokens / wall time.
+4. R rounds (default 3) of: the offline engine's steady-state decode (every slot busy for as
+   many steps as the longest request, in one call: tokens/s and the per-step time); the server
+   at a fixed concurrency (C clients, each sending its next request when the last one ends;
+   C = 2 x slots keeps every slot busy: saturation); the offline engine on the same workload in
    static batches of the slot count, in arrival order (each batch runs until its longest
-   request ends).
+   request ends). The offline runs happen while the server idles, so each round's ratios come
+   from runs seconds apart; the median round is reported with the spread.
 
 With --shared-prefix it runs the prefix-cache workloads instead, on a server with
 `enable_prefix_caching` false and then true (the cache raised to 2,688 positions): N requests of a
@@ -55,7 +58,7 @@ from k3text import corpus
 from k3text.config import CONFIG_DIR, ConfigError, load_config
 from k3text.tools.tables import table
 
-FIELDS = ("mode", "rate_rps", "concurrency", "requests", "output_tokens", "seconds",
+FIELDS = ("mode", "round", "rate_rps", "concurrency", "requests", "output_tokens", "seconds",
           "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms",
           "tpot_p90_ms", "tpot_p99_ms", "server_ms_per_step", "prefill_share")
 # A 256-position cache: room for the long answers after a 64-token prompt.
@@ -327,35 +330,58 @@ def shared_prefix(args: argparse.Namespace, overrides: list[str]) -> None:
 # ---- the offline engine -----------------------------------------------------------------------
 
 
-def offline(config: str, overrides: list[str], requests: list[dict]) -> list[dict[str, Any]]:
-    from k3text import decode
+class Offline:
+    """The offline engine on the server's config, in this process (compiled before the server
+    starts): its steady-state decode and static batches of the slot count. Each run is made
+    while the server idles between load runs, so a ratio compares runs seconds apart."""
 
-    cfg = load_config(config, [*overrides, "ignore_eos=true"])
-    decode.enable_compilation_cache(cfg)
-    engine, _ = decode.build(cfg)
-    slots = cfg.global_batch_size
-    steps = max(r["max_tokens"] for r in requests)
-    engine.warm_up(slots, steps - 1)
-    prompts = [r["prompt"] for r in requests[:slots]]
-    engine.decode_batch(prompts, batch=slots, max_steps=steps)  # warm
-    gen = engine.decode_batch(prompts, batch=slots, max_steps=steps)
-    per_step = gen.decode_seconds / (gen.decode_steps - 1)
-    steady = {"mode": "offline steady state", "concurrency": slots, "requests": slots,
-              "output_tokens": gen.generated_tokens, "seconds": gen.decode_seconds,
-              "output_tokens_per_s": slots * (gen.decode_steps - 1) / gen.decode_seconds,
-              "tpot_p50_ms": per_step * 1e3}
-    start = time.perf_counter()
-    tokens = 0
-    for i in range(0, len(requests), slots):
-        group = requests[i: i + slots]
-        out = engine.decode_batch([r["prompt"] for r in group], batch=slots, max_steps=steps,
-                                  limits=[r["max_tokens"] for r in group])
-        tokens += out.generated_tokens
-    seconds = time.perf_counter() - start
-    static = {"mode": "offline static batches", "concurrency": slots,
-              "requests": len(requests), "output_tokens": tokens, "seconds": seconds,
-              "output_tokens_per_s": tokens / seconds}
-    return [steady, static]
+    def __init__(self, config: str, overrides: list[str], requests: list[dict]):
+        from k3text import decode
+
+        cfg = load_config(config, [*overrides, "ignore_eos=true"])
+        decode.enable_compilation_cache(cfg)
+        self.engine, _ = decode.build(cfg)
+        self.requests = requests
+        self.slots = cfg.global_batch_size
+        self.steps = max(r["max_tokens"] for r in requests)
+        self.engine.warm_up(self.slots, self.steps - 1)
+        self.steady()  # warm
+
+    def steady(self) -> dict[str, Any]:
+        """Every slot busy for as many steps as the longest request, in one decode call."""
+        prompts = [r["prompt"] for r in self.requests[: self.slots]]
+        gen = self.engine.decode_batch(prompts, batch=self.slots, max_steps=self.steps)
+        per_step = gen.decode_seconds / (gen.decode_steps - 1)
+        return {"mode": "offline steady state", "concurrency": self.slots,
+                "requests": self.slots, "output_tokens": gen.generated_tokens,
+                "seconds": gen.decode_seconds,
+                "output_tokens_per_s": self.slots * (gen.decode_steps - 1) / gen.decode_seconds,
+                "tpot_p50_ms": per_step * 1e3}
+
+    def static(self) -> dict[str, Any]:
+        """The workload in static batches of the slot count, in arrival order (each batch runs
+        until its longest request ends)."""
+        start = time.perf_counter()
+        tokens = 0
+        for i in range(0, len(self.requests), self.slots):
+            group = self.requests[i: i + self.slots]
+            out = self.engine.decode_batch([r["prompt"] for r in group], batch=self.slots,
+                                           max_steps=self.steps,
+                                           limits=[r["max_tokens"] for r in group])
+            tokens += out.generated_tokens
+        seconds = time.perf_counter() - start
+        return {"mode": "offline static batches", "concurrency": self.slots,
+                "requests": len(self.requests), "output_tokens": tokens, "seconds": seconds,
+                "output_tokens_per_s": tokens / seconds}
+
+
+def ratios(saturated: dict[str, Any], steady: dict[str, Any],
+           static: dict[str, Any]) -> dict[str, float]:
+    """The serving targets' three ratios, and the server's own decode step against offline's."""
+    return {"saturation": saturated["output_tokens_per_s"] / steady["output_tokens_per_s"],
+            "tpot": saturated["tpot_p50_ms"] / steady["tpot_p50_ms"],
+            "continuous": saturated["output_tokens_per_s"] / static["output_tokens_per_s"],
+            "server_step": saturated["server_ms_per_step"] / steady["tpot_p50_ms"]}
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -395,6 +421,8 @@ def main() -> None:
     p.add_argument("--rates", default="2,8,32")
     p.add_argument("--concurrency", type=int, default=0, help="default 2 x slots")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds of offline steady state, saturation, static batches")
     p.add_argument("--out", type=Path, default=benchlib.RESULTS / "serve_load")
     p.add_argument("--shared-prefix", action="store_true",
                    help="the shared-prefix workloads, with the prefix cache off then on")
@@ -420,45 +448,56 @@ def main() -> None:
     slots = cfg.global_batch_size
     concurrency = args.concurrency or 2 * slots
     model = model_name(cfg)
+    offline = Offline(args.config, overrides, requests)
     server = ServerProcess(args.config, overrides)
-    rows = []
+    rows, rounds = [], []
     try:
         asyncio.run(closed_loop(server.url, model, requests[:slots], slots))  # warm
         for rate in (float(r) for r in args.rates.split(",")):
             rows.append(asyncio.run(poisson(server.url, model, requests, rate, args.seed)))
             print(f"poisson {rate:g}/s: {rows[-1]['output_tokens_per_s']:.1f} tok/s",
                   file=sys.stderr)
-        rows.append(asyncio.run(closed_loop(server.url, model, requests, concurrency)))
+        # Saturation and the offline baselines, interleaved: this machine's speed drifts by up
+        # to 2x over minutes, so each round's ratios come from runs seconds apart.
+        for i in range(args.rounds):
+            steady = offline.steady()
+            saturated = asyncio.run(closed_loop(server.url, model, requests, concurrency))
+            static = offline.static()
+            for row in (saturated, steady, static):
+                row["round"] = i + 1
+            rows += [saturated, steady, static]
+            rounds.append(ratios(saturated, steady, static))
+            print(f"round {i + 1}: " + ", ".join(f"{k} {v:.2f}x" for k, v in rounds[-1].items()),
+                  file=sys.stderr)
     finally:
         server.stop()
-    rows += offline(args.config, overrides, requests)
     m = benchlib.machine(config=args.config, overrides=overrides, slots=slots,
-                         requests=len(requests))
+                         requests=len(requests), rounds=args.rounds)
     args.out.mkdir(parents=True, exist_ok=True)
     benchlib.write_jsonl(args.out / "serve_load.jsonl", m, rows)
     benchlib.write_csv(args.out / "serve_load.csv", m, FIELDS, rows)
     plot(rows, m, args.out / "serve_load.png")
-    shown = [[r["mode"], f"{r.get('rate_rps') or r.get('concurrency'):g}", str(r["requests"]),
-              f"{r['output_tokens_per_s']:.1f}",
+    shown = [[r["mode"], f"{r.get('rate_rps') or r.get('concurrency'):g}",
+              str(r.get("round", "-")), str(r["requests"]), f"{r['output_tokens_per_s']:.1f}",
               *(f"{r[k]:.1f}" if r.get(k) is not None else "-"
                 for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"))]
              for r in rows]
     print(benchlib.machine_line(m))
-    print(table(["mode", "rate/conc", "requests", "out tok/s", "TTFT p50", "TTFT p99",
+    print(table(["mode", "rate/conc", "round", "requests", "out tok/s", "TTFT p50", "TTFT p99",
                  "TPOT p50", "TPOT p99"], shown))
-    saturated = rows[-3]
-    steady, static = rows[-2], rows[-1]
-    print(f"saturation vs offline steady-state decode: "
-          f"{saturated['output_tokens_per_s'] / steady['output_tokens_per_s']:.2f}x "
-          f"(target >= 0.8)")
-    print(f"TPOT p50, all slots busy, vs offline per step: "
-          f"{saturated['tpot_p50_ms'] / steady['tpot_p50_ms']:.2f}x (target <= 1.5)")
-    print(f"the server at saturation: {saturated['server_ms_per_step']:.2f} ms per decode step "
-          f"({saturated['server_ms_per_step'] / steady['tpot_p50_ms']:.2f}x the offline loop's), "
-          f"{saturated['prefill_share']:.0%} of the time prefilling")
-    print(f"continuous vs static batching: "
-          f"{saturated['output_tokens_per_s'] / static['output_tokens_per_s']:.2f}x "
-          f"(target >= 1.5)")
+    median = {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]}
+    spread = {k: (min(r[k] for r in rounds), max(r[k] for r in rounds)) for k in rounds[0]}
+
+    def show(key: str) -> str:
+        return f"{median[key]:.2f}x (rounds {spread[key][0]:.2f}-{spread[key][1]:.2f})"
+
+    shares = [r["prefill_share"] for r in rows if r["mode"] == "fixed concurrency"]
+    print(f"median of {args.rounds} rounds:")
+    print(f"saturation vs offline steady-state decode: {show('saturation')} (target >= 0.8)")
+    print(f"TPOT p50, all slots busy, vs offline per step: {show('tpot')} (target <= 1.5)")
+    print(f"the server's own decode step at saturation vs offline's: {show('server_step')}, "
+          f"{float(np.median(shares)):.0%} of its time prefilling")
+    print(f"continuous vs static batching: {show('continuous')} (target >= 1.5)")
 
 
 if __name__ == "__main__":
