@@ -274,7 +274,7 @@ def step_latencies(engine: Engine, ctx: sharding.MeshContext, prompts: list[list
     # outputs; their shardings may differ, so both variants compile before timing starts.
     tokens, state = start()
     for _ in range(2):
-        args = _abstract((engine.params, tokens, state, key))
+        args = _abstract((engine._weights, tokens, state, key))
         tokens, _, _, state = engine.step(tokens, state, key)
     tokens.block_until_ready()
     memory = step_memory(engine, ctx, args)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 PACK_BYTES = 16 * 1024  # replicated arrays up to this size travel in a packed buffer
@@ -63,9 +62,12 @@ def flatten(graphdef: Any, params: Any) -> tuple[list[jax.Array], WeightLayout]:
         sharding = leaves[members[0]].sharding
         if isinstance(sharding, jax.sharding.NamedSharding):  # replicated, as a 1-D array
             sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-        pack = jax.jit(lambda *xs: jnp.concatenate([x.reshape(-1) for x in xs]),
-                       out_shardings=sharding)
-        buffers.append(pack(*(leaves[i] for i in members)))
+        # Packed on the host (every process holds each replicated array whole): no program to
+        # compile per engine.
+        host = np.concatenate([np.asarray(leaves[i].addressable_data(0)).reshape(-1)
+                               for i in members])
+        buffers.append(jax.make_array_from_callback(host.shape, sharding,
+                                                    lambda index, h=host: h[index]))
     return buffers, WeightLayout(graphdef, treedef, tuple(where))
 
 
