@@ -57,7 +57,7 @@ def flatten(graphdef: Any, params: Any) -> tuple[list[jax.Array], WeightLayout]:
             buffers.append(a)
     for members in groups.values():
         offsets = np.cumsum([0] + [leaves[i].size for i in members])
-        for i, offset in zip(members, offsets, strict=False):
+        for i, offset in zip(members, offsets[:-1], strict=True):
             where[i] = Packed(len(buffers), int(offset), tuple(leaves[i].shape))
         sharding = leaves[members[0]].sharding
         if isinstance(sharding, jax.sharding.NamedSharding):  # replicated, as a 1-D array
