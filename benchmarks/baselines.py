@@ -39,9 +39,9 @@ Sections (all by default):
   held expert.
 
 - ttft: time to first token at a 2,048-token prompt for the shipped model (configs/inference/
-  cpu.yml) and the tiny Kimi Linear, per KDA prefill implementation on the same weights: the
-  chunked form as it was before `k3text.ops.kda` (read from git at OLD_KDA_COMMIT), the matmul
-  form and the per-token recurrence.
+  cpu.yml) and the tiny Kimi Linear, per KDA prefill form on the same weights: the chunked
+  form as it was before `k3text.ops.kda` (`old`) and the first matmul form (`previous`), both
+  read from git (EARLIER_KDA), this tree's chunked form and the per-token recurrence.
 
 Pairs are measured interleaved (one call of each per round, after one warm-up call each), so
 load from other processes hits both sides of a ratio alike. torch runs with one thread unless
@@ -81,6 +81,7 @@ from k3text.inference import sampling
 from k3text.inference.engine import Engine, place_model
 from k3text.layers import moe
 from k3text.ops import kda
+from k3text.ops.kda.chunked import PAIRWISE_LEAF, PRODUCT_LEAF
 from k3text.ops.kda.tokamax import tokamax_kda
 from k3text.tools.tables import table
 
@@ -346,26 +347,29 @@ def matmul_rate() -> float:
     return 2 * 2048**3 / seconds
 
 
-def kda_flops(form: str, b: int, t: int, chunk: int = 64, sub: int = 16) -> float | None:
+def kda_flops(form: str, b: int, t: int, chunk: int = 64) -> float | None:
     """Floating-point operations a KDA form needs, counted from its algorithm (XLA's cost analysis
     does not count loop bodies, so it reports nearly nothing for a scan): the per-token
     recurrences about 7 K V per token and head (decay, k . S, the rank-1 write, q . S); k3text's
-    chunked form its products per chunk and head (diagonal and below-diagonal interaction blocks,
-    the block inverse, the solve for U and W, the state hand-off and the output). None for forms
-    whose algorithm is not ours to count."""
+    chunked form its products per chunk and head (`ops/kda/chunked.py`: the diagonal leaves, the
+    splits below them, the leaves' and splits' inverse, U and W from the inverse, the hand-off
+    and the output). None for forms whose algorithm is not ours to count."""
     k = v = KDA_HEAD_DIM
     heads = b * KDA_HEADS
     if form in ("recurrent", "tokamax_xla"):
         return 7.0 * k * v * t * heads
     if not form.startswith("chunked"):
         return None
-    m = chunk // sub
-    macs = (2 * chunk * sub * k  # diagonal sub-chunk blocks, q and k rows
-            + 2 * (m - 1) ** 2 * sub * sub * k  # below-diagonal blocks
-            + m * sub**3 / 3 + sum((r * r + r) * sub**3 for r in range(1, m))  # block inverse
-            + chunk * chunk * (k + v)  # U and W from the inverse
-            + 3 * chunk * k * v  # the hand-off: [W; q Gamma] @ S and k^T u
-            + chunk * chunk * v)  # A_qk @ U
+    leaf = PAIRWISE_LEAF if form == "chunked_unbounded" else PRODUCT_LEAF
+    leaves = chunk // leaf
+    macs = 2 * chunk * leaf * k  # diagonal leaves, q and k rows (pairwise or products alike)
+    macs += leaves * 2 * leaf**3 * max(0, leaf.bit_length() - 2)  # leaves' inverse, by powers
+    width, blocks = leaf, leaves // 2
+    while blocks:  # each split: q and k rows against keys, and T2 L21 T1
+        macs += blocks * (2 * width * width * k + 2 * width**3)
+        width, blocks = 2 * width, blocks // 2
+    macs += chunk * chunk * (k + v)  # U and W from the inverse
+    macs += 3 * chunk * k * v + chunk * chunk * v  # W S, (q Gamma) S, k^T u; A_qk U
     return 2.0 * macs * -(-t // chunk) * heads
 
 
@@ -489,35 +493,40 @@ def loop_section(quick: bool) -> list[Row]:
 # Time to first token at long prompts, per KDA prefill implementation.
 # --------------------------------------------------------------------------------------------
 
-# The chunked KDA form the model ran before `k3text.ops.kda` became a package of
-# implementations (a [C, C, K] pairwise-decay tensor per chunk and a 64-step triangular solve),
-# read from git at that commit so the old op runs in this process without living in the tree.
-OLD_KDA_COMMIT = "665a2be"
+# Earlier chunked KDA forms, read from git so they run in this process without living in the
+# tree: `old`, the form the model ran before `k3text.ops.kda` became a package of
+# implementations (a [C, C, K] pairwise-decay tensor per chunk and a 64-step triangular solve);
+# `previous`, the first matmul form (16-token sub-chunks, every chunk's own work computed for the
+# whole sequence before the hand-off scan).
+EARLIER_KDA = {"old": ("665a2be", "src/k3text/ops/kda.py"),
+               "previous": ("c3c0685", "src/k3text/ops/kda/chunked.py")}
+TTFT_FORMS = ("old", "previous", "chunked", "recurrent")
 TTFT_PROMPT = 2048
 
 
-def old_kda_chunked() -> Callable[..., Any]:
+def earlier_kda_chunked(name: str) -> Callable[..., Any]:
     import subprocess
     import types
 
-    source = subprocess.run(["git", "-C", str(benchlib.ROOT), "show",
-                             f"{OLD_KDA_COMMIT}:src/k3text/ops/kda.py"],
+    commit, path = EARLIER_KDA[name]
+    source = subprocess.run(["git", "-C", str(benchlib.ROOT), "show", f"{commit}:{path}"],
                             capture_output=True, text=True, check=True).stdout
-    module = types.ModuleType("k3text_old_kda")
-    exec(compile(source, f"{OLD_KDA_COMMIT}:src/k3text/ops/kda.py", "exec"), module.__dict__)
+    module = types.ModuleType(f"k3text_{name}_kda")
+    exec(compile(source, f"{commit}:{path}", "exec"), module.__dict__)
 
     def chunked(q, k, v, g, beta, initial_state=None, chunk_size=64, gate_lower_bound=None,
                 precision=None):
-        del gate_lower_bound  # the old form had no bounded path
+        bound = {} if name == "old" else {"gate_lower_bound": gate_lower_bound}  # old: no bound
         return module.kda_chunked(q, k, v, g, beta, initial_state, chunk_size=chunk_size,
-                                  precision=precision)
+                                  precision=precision, **bound)
     return chunked
 
 
 def ttft_engines(model: str) -> dict[str, Any]:
-    """One engine per KDA prefill implementation, on the same weights: `old` (the pairwise
-    chunked form of OLD_KDA_COMMIT), `chunked` (the matmul form) and `recurrent` (the per-token
-    scan, CPU's `auto`). Prompts up to TTFT_PROMPT tokens in 64-token prefill chunks."""
+    """One engine per KDA prefill form (`TTFT_FORMS`), on the same weights: the earlier chunked
+    forms (`EARLIER_KDA`, swapped in while their engine traces), `chunked` (this tree's) and
+    `recurrent` (the per-token scan). Prompts up to TTFT_PROMPT tokens in 64-token prefill
+    chunks."""
     lengths = dict(max_prefill_predict_length=TTFT_PROMPT,
                    max_target_length=TTFT_PROMPT + 64, per_device_batch_size=1)
     if model == "shipped":
@@ -525,8 +534,8 @@ def ttft_engines(model: str) -> dict[str, Any]:
     else:
         base = [str(CONFIG_DIR / "models" / "kimi-linear-tiny.yml")]
     engines = {}
-    for name in ("old", "chunked", "recurrent"):
-        implementation = "chunked" if name == "old" else name
+    for name in TTFT_FORMS:
+        implementation = "recurrent" if name == "recurrent" else "chunked"
         cfg = load_config(base[0], base[1:] + [f"kda_implementation={implementation}"],
                           **lengths)
         engines[name] = decode.build(cfg)[0]
@@ -535,7 +544,7 @@ def ttft_engines(model: str) -> dict[str, Any]:
 
 def ttft_section(quick: bool) -> list[Row]:
     prompt_len, repeats = (512, 2) if quick else (TTFT_PROMPT, 3)
-    old = old_kda_chunked()
+    earlier = {name: earlier_kda_chunked(name) for name in EARLIER_KDA}
     rows = []
     for model in ("shipped", "kimi-linear-tiny"):
         engines = ttft_engines(model)
@@ -543,7 +552,7 @@ def ttft_section(quick: bool) -> list[Row]:
             3, engines["old"].cfg.vocab_size, prompt_len).tolist()
 
         def first_token(engine, swap=None, prompt=prompt):
-            # The old op is swapped in for the trace only; compiled programs keep it.
+            # An earlier op is swapped in for the trace only; compiled programs keep it.
             saved = kda.kda_chunked
             if swap is not None:
                 kda.kda_chunked = swap
@@ -555,7 +564,7 @@ def ttft_section(quick: bool) -> list[Row]:
             finally:
                 kda.kda_chunked = saved
 
-        runs = interleaved({name: (lambda e=e, n=name: first_token(e, old if n == "old" else None))
+        runs = interleaved({name: (lambda e=e, n=name: first_token(e, earlier.get(n)))
                             for name, e in engines.items()}, repeats)
         base = benchlib.median(runs["old"])
         for name, seconds in runs.items():
@@ -563,15 +572,15 @@ def ttft_section(quick: bool) -> list[Row]:
             rows.append({"section": "ttft", "model": model, "kda_prefill": name,
                          "prompt_tokens": prompt_len, "ttft_ms": ms,
                          "speedup_vs_old": base * 1e3 / ms})
-    print(table(["model", "prompt", *(f"{n} ms" for n in ("old", "chunked", "recurrent")),
-                 "old / chunked", "old / recurrent"],
-                [[m, str(prompt_len),
-                  *(f"{r['ttft_ms']:.0f}" for r in rows if r["model"] == m),
-                  *(f"{r['speedup_vs_old']:.2f}x" for r in rows
-                    if r["model"] == m and r["kda_prefill"] != "old")]
+    by = {(r["model"], r["kda_prefill"]): r for r in rows}
+    print(table(["model", "prompt", *(f"{n} ms" for n in TTFT_FORMS),
+                 *(f"old / {n}" for n in TTFT_FORMS[1:]), "previous / chunked"],
+                [[m, str(prompt_len), *(f"{by[m, n]['ttft_ms']:.0f}" for n in TTFT_FORMS),
+                  *(f"{by[m, n]['speedup_vs_old']:.2f}x" for n in TTFT_FORMS[1:]),
+                  ratio(by[m, "previous"]["ttft_ms"], by[m, "chunked"]["ttft_ms"])]
                  for m in ("shipped", "kimi-linear-tiny")],
                 title=f"(e) time to first token (prefill of one {prompt_len}-token prompt in "
-                      f"64-token chunks, batch 1) per KDA prefill implementation, median of "
+                      f"64-token chunks, batch 1) per KDA prefill form, median of "
                       f"{repeats} interleaved runs; compile excluded"))
     return rows
 
@@ -579,7 +588,7 @@ def ttft_section(quick: bool) -> list[Row]:
 def plot_ttft(rows: Sequence[Row], ax: Any) -> None:
     models = list(dict.fromkeys(r["model"] for r in rows))
     bars(ax, models, {name: [r["ttft_ms"] for r in rows if r["kda_prefill"] == name]
-                      for name in ("old", "chunked", "recurrent")}, "time to first token (ms)")
+                      for name in TTFT_FORMS}, "time to first token (ms)")
 
 
 # --------------------------------------------------------------------------------------------

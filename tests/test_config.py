@@ -48,6 +48,7 @@ def test_overrides_nested_keys_and_types():
     (["num_experts_per_token=99"], "num_experts_per_token (99)"),
     (["hidden_act=situ", "activation_situ_beta=0"], "activation_situ_beta is not set"),
     (["prefill_chunk_size=100"], "multiple of kda_chunk_size"),
+    (["kda_chunk_size=48", "prefill_chunk_size=96"], "kda_chunk_size must be a power of two"),
     (["prefill_buckets=[32,16]"], "prefill_buckets must be increasing positive token widths"),
     (["prefill_buckets=[0,16]"], "prefill_buckets must be increasing positive token widths"),
     (["noequals"], "is not of the form key=value"),

@@ -250,6 +250,9 @@ def test_chunked_is_differentiable_and_its_gradients_match_the_recurrence():
 
 def test_auto_picks_per_backend_and_unknown_names_are_refused():
     assert kda.resolve_prefill("auto", "cpu") == "recurrent"
+    assert kda.resolve_prefill("auto", "cpu", head_dim=16) == "recurrent"
+    assert kda.resolve_prefill("auto", "cpu", head_dim=128) == "chunked"
+    assert kda.resolve_prefill("auto", "cpu", gate_lower_bound=-5.0, head_dim=128) == "chunked"
     assert kda.resolve_prefill("auto", "tpu", gate_lower_bound=-5.0) == "tokamax_mosaic"
     assert kda.resolve_prefill("auto", "tpu") == "chunked"  # unbounded gate
     assert kda.resolve_prefill("auto", "gpu") == "chunked"

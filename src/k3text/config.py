@@ -539,6 +539,9 @@ def _validate(cfg: Config) -> None:
             _require(value % 32 == 0,
                      f"expert_weight_format mxfp4 packs 32-element blocks: {key} = {value} "
                      f"is not a multiple of 32")
+    _require(cfg.kda_chunk_size > 0 and cfg.kda_chunk_size & (cfg.kda_chunk_size - 1) == 0,
+             f"kda_chunk_size must be a power of two (the chunked KDA form halves a chunk down "
+             f"to its leaves), got {cfg.kda_chunk_size}")
     _require(
         cfg.prefill_chunk_size % cfg.kda_chunk_size == 0,
         f"prefill_chunk_size ({cfg.prefill_chunk_size}) must be a multiple of kda_chunk_size "

@@ -18,10 +18,12 @@ every implementation is tested against (tests/test_kda_ops.py runs them all on t
 - `prefill_across_rows`, `slice_halos`, `last_filled_row`: the delta rule and the conv over a
   sequence split into rows, for context-parallel prefill (`context_parallel`).
 
-`resolve_prefill` turns ``auto`` into a name per backend and gate, from what
+`resolve_prefill` turns ``auto`` into a name per backend, gate and head width, from what
 ``python benchmarks/baselines.py --only kda`` and the harness measured:
-- XLA:CPU: the per-token scan, whose fused loop body beats the chunked form's many small
-  products at every measured length;
+- XLA:CPU: the chunked form for heads of 128 channels or more (K3's and Kimi Linear's): level
+  with the per-token scan at batch 1 (0.9-1.25x from 16 to 16,384 tokens), 2x at batch 4 and
+  64 tokens, 3.4-3.9x at batch 8 and 4,096. The per-token scan for narrower heads (the shipped
+  and test models'), whose small state update costs less than a chunk's C x C work;
 - TPU: tokamax's kernel for a gate with a lower bound (K3). With unbounded decays (Kimi Linear)
   the kernel's in-chunk factors overflow: at -33 per token its outputs are NaN where the other
   forms stay exact (tests/test_kda_ops.py records this), so those gates take the chunked form;
@@ -68,14 +70,18 @@ DECODE_IMPLEMENTATIONS = ("xla", "tokamax_mosaic")
 # no-op tokens, which leave the state exactly unchanged.
 _TOKAMAX_CHUNK = 64
 
+# On XLA:CPU the chunked form overtakes the per-token scan once the heads are this wide (the
+# scan's state update is K x V per token, the chunked form's in-chunk work C x C per chunk).
+CPU_CHUNKED_MIN_HEAD_DIM = 128
+
 _reported: set[str] = set()
 
 
 def resolve_prefill(implementation: str, backend: str | None = None,
-                    gate_lower_bound: float | None = None) -> str:
+                    gate_lower_bound: float | None = None, head_dim: int | None = None) -> str:
     """The prefill implementation ``auto`` stands for on ``backend`` (default: the platform being
-    compiled for, `sharding.target_platform`) for a gate
-    bounded below by ``gate_lower_bound`` (None: unbounded)."""
+    compiled for, `sharding.target_platform`) for a gate bounded below by ``gate_lower_bound``
+    (None: unbounded) and heads of ``head_dim`` channels (None: unknown)."""
     if implementation != "auto":
         if implementation not in PREFILL_IMPLEMENTATIONS:
             raise ValueError(f"unknown KDA prefill implementation {implementation!r}; expected "
@@ -83,7 +89,8 @@ def resolve_prefill(implementation: str, backend: str | None = None,
         return implementation
     backend = backend or sharding.target_platform()
     if backend == "cpu":
-        return "recurrent"
+        return "chunked" if head_dim is not None and head_dim >= CPU_CHUNKED_MIN_HEAD_DIM \
+            else "recurrent"
     if backend == "tpu" and gate_lower_bound is not None:
         return "tokamax_mosaic"
     return "chunked"
@@ -156,7 +163,8 @@ def prefill(
     ``gate_lower_bound`` (every ``g >= gate_lower_bound``; None when unbounded) tune the chunked
     form; ``precision`` applies to the XLA forms' products.
     """
-    chosen = resolve_prefill(implementation, gate_lower_bound=gate_lower_bound)
+    chosen = resolve_prefill(implementation, gate_lower_bound=gate_lower_bound,
+                             head_dim=q.shape[-1])
     _report("prefill", chosen, implementation)
     if chosen == "recurrent":
         return kda_recurrent(q, k, v, g, beta, initial_state, precision=precision)

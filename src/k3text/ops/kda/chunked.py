@@ -1,211 +1,250 @@
 """Chunked KDA in matmul form, for prefill and training; equal to `reference.kda_recurrent` up to
 float32 rounding, and differentiable.
 
-The sequence is cut into chunks of ``C`` tokens and each chunk into ``M`` sub-chunks of ``S``.
-Within a chunk let ``G_t`` be the inclusive cumulative sum of ``g`` and ``S0`` the state entering
-it. Unrolling the recurrence (the WY/UT form) gives
+The sequence is cut into chunks of ``C`` tokens. Within a chunk let ``G_t`` be the inclusive
+cumulative sum of ``g`` from the chunk start and ``S0`` the state entering it. Unrolling the
+recurrence (the WY/UT form) gives
 
     U = (I + diag(beta) tril(A_kk, -1))^-1 diag(beta) (V - (K * Gamma) S0)      Gamma_t = exp(G_t)
     o_t = (q_t * Gamma_t)^T S0 + sum_{i<=t} A_qk[t, i] u_i
     S_end = diag(Gamma_C) S0 + sum_i diag(exp(G_C - G_i)) k_i u_i^T
 
-with ``A_xk[i, j] = sum_d x_i[d] k_j[d] exp(G_i[d] - G_j[d])`` for ``j <= i``.
+with ``A_xk[i, j] = sum_d x_i[d] k_j[d] exp(G_i[d] - G_j[d])`` for ``j <= i``. Everything but the
+``S0`` terms is the chunk's own work, done as matmuls without an exponential per pair:
 
-Everything that does not depend on ``S0`` is computed for all chunks at once, as matmuls:
+- **Below the diagonal, by halving.** The chunk's ``M`` leaves (runs of ``S`` tokens, ``M`` a
+  power of two) are halved recursively. At each split, the queries after the split point ``R``
+  against the keys before it factor there: ``exp(G_i - G_j) = exp(G_i - R) exp(R - G_j)``, both
+  exponents ``<= 0`` whatever the gate, so a split is one product ``[h, K] @ [K, h]`` (the splits
+  of one level batched). Every pair in different leaves meets at exactly one split. A factor that
+  underflows to 0 only ever stands for a pair whose true decay is smaller still.
+- **The diagonal leaves.** With a gate bounded below by ``lb`` (K3), the same factorisation
+  about the leaf's middle keeps every factor within ``exp(+-S |lb| / 2)`` (``exp(40)`` at
+  ``S = 16``, ``lb = -5``), so these blocks are products too. An unbounded gate (Kimi Linear)
+  keeps the pairwise ``[S, S, K]`` decays inside its (smaller) leaves, masked before the
+  exponential.
+- **The inverse by the same halving:** ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)...`` on the
+  leaves (``N`` is nilpotent), then ``[[T1, 0], [-T2 L21 T1, T2]]`` at each split.
+- ``U`` and the state weights ``W = T diag(beta) (K * Gamma)`` by one product each with ``T``.
 
-- ``A`` below the diagonal sub-chunks: for a query in sub-chunk ``r`` and a key before it, the
-  decay factors at the start ``R_r`` of sub-chunk ``r``:
-  ``exp(G_i - G_j) = exp(G_i - R_r) * exp(R_r - G_j)``, both exponents ``<= 0`` (no overflow,
-  whatever the gate), so each query sub-chunk is one product ``[2S, K] @ [K, r S]`` (q and k rows
-  together).
-- ``A`` on the diagonal sub-chunks: with a gate bounded below by ``lb`` (K3), the same
-  factorisation about the sub-chunk's middle keeps both exponents within ``S |lb| / 2`` (40 at
-  ``S = 16``, ``lb = -5``), far from float32's overflow at 88, so these blocks are products too.
-  An unbounded gate (Kimi Linear) keeps the pairwise ``[S, S, K]`` decays there, masked before
-  the exponential.
-- ``(I + L)^-1`` by blocks: forward substitution inside the ``S x S`` diagonal blocks (all of
-  them at once), block forward substitution (matmuls) across them.
-- ``U`` and the state weights ``W = T (K * Gamma)`` in one product with the inverse.
+The chunks are walked ``chunks_per_step`` at a time (a ``lax.scan``): each step computes those
+chunks' own work together, then hands the state from chunk to chunk (``u = U - W S0``,
+``o = (q * Gamma) S0 + A_qk u``, ``S = diag(Gamma_C) S0 + (K * exp(G_C - G))^T u``). Doing the
+chunk work inside the loop keeps a few chunks' intermediates in cache; computed for the whole
+sequence up front, every elementwise step of it is a pass through memory, and those passes
+cost more than the products.
 
-Only the hand-off of the state from chunk to chunk is sequential (a ``lax.scan``): per chunk one
-product ``[W; q * Gamma] @ S0`` and one ``k^T u`` update.
-
-Cumulative decays are formed per sub-chunk (``S`` tokens, not ``C``), so the differences that
-become exponents are differences of small numbers, which keeps their rounding error small.
+Cumulative decays are formed per leaf and offset per leaf, so the differences that become
+exponents are differences of small numbers, which keeps their rounding error small.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BOUNDED_DIAGONAL_MAX_EXPONENT", "kda_chunked"]
+__all__ = ["PRODUCT_LEAF_MAX_EXPONENT", "kda_chunked"]
 
 _f32 = jnp.float32
 
-# Diagonal sub-chunks use the factorised (matmul) form when the gate bound guarantees that no
-# factor exceeds exp(this); float32 overflows past exp(88).
-BOUNDED_DIAGONAL_MAX_EXPONENT = 60.0
+# Leaves use the factorised (matmul) form when the gate bound keeps the leaf's decay within
+# exp(-this): the factors about its middle stay within exp(+-this / 2), and even the masked-out
+# products above the diagonal stay finite (float32 overflows past exp(88.7)).
+PRODUCT_LEAF_MAX_EXPONENT = 80.0
+PRODUCT_LEAF = 16  # leaf length with a bounded gate (16 x 5 = 80 for K3)
+PAIRWISE_LEAF = 8  # leaf length with an unbounded gate: [8, 8, K] pairwise decays per leaf
+
+
+class _ChunkTerms(NamedTuple):
+    """A chunk's own work, leading dims ``[..., B, H]``."""
+    a_qk: jax.Array  # [..., C, C] lower triangular (diagonal included)
+    u_local: jax.Array  # [..., C, V]: T diag(beta) V
+    w: jax.Array  # [..., C, K]: T diag(beta) (K * Gamma)
+    q_decayed: jax.Array  # [..., C, K]: q * Gamma
+    k_to_end: jax.Array  # [..., C, K]: k * exp(G_C - G)
+    decay: jax.Array  # [..., K]: Gamma_C
+
+
+def _cross(x: jax.Array, y: jax.Array, precision: jax.lax.PrecisionLike) -> jax.Array:
+    return jnp.einsum("...id,...jd->...ij", x, y, precision=precision)
 
 
 def _unit_lower_inverse(lower: jax.Array, precision: jax.lax.PrecisionLike) -> jax.Array:
-    """``(I + lower)^-1`` for strictly-lower ``lower [..., S, S]``, row by row (unrolled
-    forward substitution: row ``i`` of the inverse is ``e_i - lower[i, :i] @ rows[:i]``)."""
+    """``(I + lower)^-1`` for strictly-lower ``lower [..., S, S]``: ``sum_i (-lower)^i``, as the
+    product ``(I - N)(I + N^2)(I + N^4)...`` (``N^S = 0``)."""
     s = lower.shape[-1]
     eye = jnp.eye(s, dtype=lower.dtype)
-    rows = [jnp.broadcast_to(eye[0], lower.shape[:-1])]
-    for i in range(1, s):
-        solved = jnp.stack(rows, axis=-2)
-        rows.append(eye[i] - jnp.einsum("...j,...js->...s", lower[..., i, :i], solved,
-                                        precision=precision))
-    return jnp.stack(rows, axis=-2)
+    inverse, power, width = eye - lower, lower, 2
+    while width < s:
+        power = jnp.matmul(power, power, precision=precision)
+        inverse = jnp.matmul(inverse, eye + power, precision=precision)
+        width *= 2
+    return inverse
 
 
-def _block_unit_lower_inverse(lower: jax.Array, s: int,
-                              precision: jax.lax.PrecisionLike) -> jax.Array:
-    """``(I + lower)^-1`` for strictly-lower ``lower [..., C, C]`` with ``C = M S``: diagonal
-    blocks by forward substitution, then block row ``r`` of the inverse is
-    ``-D_r^-1 (L[r, :r] @ X[:r, :r])`` beside ``D_r^-1``."""
-    c = lower.shape[-1]
-    m = c // s
-    blocks = lower.reshape(*lower.shape[:-2], m, s, m, s)
-    diag_inv = _unit_lower_inverse(
-        jnp.stack([blocks[..., r, :, r, :] for r in range(m)], axis=-3), precision)
-    batch = lower.shape[:-2]
-    rows: list[jax.Array] = []
-    for r in range(m):
-        d_inv = diag_inv[..., r, :, :]
-        parts = [d_inv]
-        if r:
-            solved = jnp.concatenate(rows, axis=-2)[..., : r * s]  # X[:r, :r]
-            row = blocks[..., r, :, :r, :].reshape(*batch, s, r * s)  # L[r, :r]
-            left = jnp.einsum("...ij,...jk->...ik", row, solved, precision=precision)
-            parts.insert(0, -jnp.einsum("...ij,...jk->...ik", d_inv, left, precision=precision))
-        if r < m - 1:
-            parts.append(jnp.zeros((*batch, s, c - (r + 1) * s), _f32))
-        rows.append(jnp.concatenate(parts, axis=-1))
-    return jnp.concatenate(rows, axis=-2)
+def _halves(a: jax.Array, level: int, lead: int) -> jax.Array:
+    """Split the leaf axis (``lead``) of ``a`` into ``[blocks, 2, 2^(level-1)]``."""
+    half = 1 << (level - 1)
+    return a.reshape(*a.shape[:lead], a.shape[lead] // (2 * half), 2, half, *a.shape[lead + 1:])
 
 
-def _interactions(q: jax.Array, k: jax.Array, local: jax.Array, total: jax.Array,
-                  before: jax.Array, gate_lower_bound: float | None,
-                  precision: jax.lax.PrecisionLike) -> jax.Array:
-    """``[A_qk; A_kk]`` as ``[..., 2, C, C]`` (zero above the diagonal) from sub-chunked
-    ``q, k, local [..., M, S, K]`` (``local``: in-sub-chunk inclusive cumulative decay),
-    ``total`` (each sub-chunk's decay) and ``before`` (the decay of the sub-chunks before it),
-    both ``[..., M, K]``."""
-    m, s, dk = q.shape[-3:]
-    c = m * s
-    batch = q.shape[:-3]
-    rows = jnp.concatenate([q, k], axis=-2)  # [..., M, 2S, K]: q rows, then k rows
-    local2 = jnp.concatenate([local, local], axis=-2)
+def _pairs(a: jax.Array, lead: int) -> jax.Array:
+    """Split axis ``lead`` of ``a`` into ``[size / 2, 2]``."""
+    return a.reshape(*a.shape[:lead], a.shape[lead] // 2, 2, *a.shape[lead + 1:])
 
-    # Diagonal sub-chunks [..., M, 2S, S].
+
+def _join(first: jax.Array, across: jax.Array, second: jax.Array) -> jax.Array:
+    """The lower-block-triangular ``[[first, 0], [across, second]]``."""
+    top = jnp.concatenate([first, jnp.zeros_like(first)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([across, second], axis=-1)], axis=-2)
+
+
+def _chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                 product_leaves: bool, precision: jax.lax.PrecisionLike) -> _ChunkTerms:
+    """The chunks' own work from ``q, k, g [..., M, S, K]``, ``v [..., M, S, V]`` and
+    ``beta [..., M, S]`` (``M`` leaves of ``S`` tokens per chunk; any leading dims)."""
+    m, s, _ = q.shape[-3:]
+    lead = q.ndim - 3
+    levels = m.bit_length() - 1
+    local = jnp.cumsum(g, axis=-2)  # within the leaf
+    total = local[..., -1, :]  # [..., M, K]: each leaf's decay
+    before = jnp.cumsum(total, axis=-2) - total  # the decay of the chunk's earlier leaves
+    chunk_total = before[..., -1, :] + total[..., -1, :]
+    from_start = jnp.exp(local)  # exp(G_i - R_leaf) <= 1
+    q_from_start, k_from_start = q * from_start, k * from_start
+    k_to_leaf_end = k * jnp.exp(total[..., None, :] - local)  # exp(E_leaf - G_j) <= 1
+
     causal = jnp.tril(jnp.ones((s, s), bool))
-    if gate_lower_bound is not None and s * -gate_lower_bound / 2 <= \
-            BOUNDED_DIAGONAL_MAX_EXPONENT:
-        mid = local[..., s // 2 - 1 : s // 2, :]
-        diag = jnp.einsum("...mid,...mjd->...mij", rows * jnp.exp(local2 - mid),
-                          k * jnp.exp(mid - local), precision=precision)
-        diag = jnp.where(jnp.concatenate([causal, causal]), diag, 0.0)
+    if product_leaves:
+        # Factors straight from the differences: exp(G_i - R_leaf) may be tiny, and times a
+        # factor up to exp(S |lb| / 2) it would lose its digits.
+        middle = local[..., s // 2 - 1 : s // 2, :]
+        from_middle = jnp.exp(local - middle)
+        keys = k * jnp.exp(middle - local)
+        diag_qk = _cross(q * from_middle, keys, precision)
+        diag_kk = _cross(k * from_middle, keys, precision)
     else:
         pairwise = jnp.exp(jnp.where(causal[..., None], local[..., :, None, :]
                                      - local[..., None, :, :], -jnp.inf))  # [..., M, S, S, K]
         keys = k[..., None, :, :] * pairwise
-        diag = jnp.einsum("...mxid,...mijd->...mxij",
-                          jnp.stack([q, k], axis=-3), keys, precision=precision)
-        diag = diag.reshape(*batch, m, 2 * s, s)
-    if m == 1:
-        return diag.reshape(*batch, 2, s, s)
+        diag_qk = jnp.einsum("...id,...ijd->...ij", q, keys, precision=precision)
+        diag_kk = jnp.einsum("...id,...ijd->...ij", k, keys, precision=precision)
+    diag_qk = jnp.where(causal, diag_qk, 0.0)
+    diag_kk = jnp.where(jnp.tril(causal, -1), diag_kk, 0.0)
 
-    # Below the diagonal: query sub-chunk r (1..M-1) against key sub-chunks c < r, factorised at
-    # R_r. exp(R_r - G_j) = exp(R_r - R_{c+1}) exp(R_{c+1} - G_j): a per-(r, c) channel factor
-    # times a per-key one, so no exponential is taken per pair.
-    key_to_end = k * jnp.exp(total[..., :, None, :] - local)  # exp(R_{c+1} - G_j) <= 1
-    after = before + total  # R_{c+1}
-    between = before[..., 1:, None, :] - after[..., None, :-1, :]  # [..., r, c, K]
-    lower_blocks = jnp.tril(jnp.ones((m - 1, m - 1), bool))[..., None]
-    between = jnp.exp(jnp.where(lower_blocks, between, -jnp.inf))  # 0 where c >= r
-    keys = between[..., :, :, None, :] * key_to_end[..., None, :-1, :, :]
-    keys = keys.reshape(*batch, m - 1, (m - 1) * s, dk)
-    below = jnp.einsum("...rid,...rjd->...rij", (rows * jnp.exp(local2))[..., 1:, :, :], keys,
-                       precision=precision)  # [..., M-1, 2S, (M-1)S]
+    # Below the diagonal leaves, one level of splits at a time: second halves' queries against
+    # first halves' keys, factorised at the split.
+    def flat(a: jax.Array) -> jax.Array:  # [..., blocks, h, S, D] -> [..., blocks, h S, D]
+        return a.reshape(*a.shape[:-3], a.shape[-3] * s, a.shape[-1])
 
-    block_rows = []
-    for r in range(m):
-        parts = [below[..., r - 1, :, : r * s]] if r else []
-        parts.append(diag[..., r, :, :])
-        if r < m - 1:
-            parts.append(jnp.zeros((*batch, 2 * s, (m - 1 - r) * s), _f32))
-        block_rows.append(jnp.concatenate(parts, axis=-1).reshape(*batch, 2, s, c))
-    return jnp.concatenate(block_rows, axis=-2)
+    across_qk, across_kk = [], []
+    for level in range(1, levels + 1):
+        queries_q = _halves(q_from_start, level, lead)[..., 1, :, :, :]
+        queries_k = _halves(k_from_start, level, lead)[..., 1, :, :, :]
+        keys = _halves(k_to_leaf_end, level, lead)[..., 0, :, :, :]
+        if level > 1:  # at level 1 the split is the leaf boundary: both factors are 1
+            before_h, total_h = _halves(before, level, lead), _halves(total, level, lead)
+            split = before_h[..., 1, :1, :]  # R, [..., blocks, 1, K]
+            after_split = jnp.exp(before_h[..., 1, :, :] - split)[..., None, :]  # R_leaf - R
+            to_split = jnp.exp(split - before_h[..., 0, :, :]
+                               - total_h[..., 0, :, :])[..., None, :]  # R - E_leaf
+            queries_q, queries_k = queries_q * after_split, queries_k * after_split
+            keys = keys * to_split
+        keys = flat(keys)
+        across_qk.append(_cross(flat(queries_q), keys, precision))
+        across_kk.append(_cross(flat(queries_k), keys, precision))
+
+    # Join the blocks pairwise, level by level, into [C, C]: A_qk, and T by its block inverse.
+    a_qk, inverse = diag_qk, _unit_lower_inverse(beta[..., None] * diag_kk, precision)
+    for level in range(1, levels + 1):
+        a_qk, inverse = _pairs(a_qk, lead), _pairs(inverse, lead)
+        a_qk = _join(a_qk[..., 0, :, :], across_qk[level - 1], a_qk[..., 1, :, :])
+        first, second = inverse[..., 0, :, :], inverse[..., 1, :, :]
+        beta_second = _halves(beta, level, lead)[..., 1, :, :]
+        lower = beta_second.reshape(*first.shape[:-1], 1) * across_kk[level - 1]
+        across = -jnp.matmul(second, jnp.matmul(lower, first, precision=precision),
+                             precision=precision)
+        inverse = _join(first, across, second)
+    a_qk, inverse = a_qk[..., 0, :, :], inverse[..., 0, :, :]  # one block of M leaves left
+
+    def whole(x: jax.Array) -> jax.Array:  # [..., M, S, D] -> [..., C, D]
+        return x.reshape(*x.shape[:-3], m * s, x.shape[-1])
+
+    to_leaf = jnp.exp(before)[..., None, :]  # exp(R_leaf), the decay before each leaf
+    beta_col = whole(beta[..., None])
+    u_local = jnp.matmul(inverse, beta_col * whole(v), precision=precision)
+    w = jnp.matmul(inverse, beta_col * whole(k_from_start * to_leaf), precision=precision)
+    leaf_to_end = jnp.exp(chunk_total[..., None, :] - before - total)[..., None, :]
+    return _ChunkTerms(a_qk, u_local, w, whole(q_from_start * to_leaf),
+                       whole(k_to_leaf_end * leaf_to_end), jnp.exp(chunk_total))
+
+
+def _hand_off(state: jax.Array, chunk: _ChunkTerms,
+              precision: jax.lax.PrecisionLike) -> tuple[jax.Array, jax.Array]:
+    u = chunk.u_local - jnp.matmul(chunk.w, state, precision=precision)
+    o = jnp.matmul(chunk.q_decayed, state, precision=precision) + jnp.matmul(
+        chunk.a_qk, u, precision=precision)
+    state = chunk.decay[..., None] * state + jnp.einsum("...ck,...cv->...kv", chunk.k_to_end, u,
+                                                        precision=precision)
+    return state, o
 
 
 def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                 initial_state: jax.Array | None = None, chunk_size: int = 64,
-                sub_chunk_size: int = 16, gate_lower_bound: float | None = None,
-                precision: jax.lax.PrecisionLike = None) -> tuple[jax.Array, jax.Array]:
+                sub_chunk_size: int | None = None, gate_lower_bound: float | None = None,
+                precision: jax.lax.PrecisionLike = None,
+                chunks_per_step: int = 4) -> tuple[jax.Array, jax.Array]:
     """Chunk-parallel KDA (see the module docstring); arguments and results as
     `reference.kda_recurrent`.
 
-    Any ``T`` is accepted: it is right-padded to whole chunks with no-op tokens
-    (``k = v = beta = g = 0``) and the output sliced back. ``gate_lower_bound``: a bound every
-    ``g`` is known to respect (K3's ``gate_lower_bound``), which lets the diagonal sub-chunks run
-    as products; ``None`` for unbounded gates. ``chunk_size`` must be a multiple of
-    ``sub_chunk_size`` (or smaller, then one sub-chunk per chunk).
+    Any ``T`` is accepted: it is right-padded to whole steps of chunks with no-op tokens
+    (``k = v = beta = g = 0``) and the output sliced back; an input shorter than a chunk runs as
+    one chunk of the fewest leaves that hold it. ``gate_lower_bound``: a bound every
+    ``g`` is known to respect (K3's ``gate_lower_bound``), which lets the diagonal leaves run as
+    products; ``None`` for unbounded gates. ``sub_chunk_size``: the leaf length (default
+    `PRODUCT_LEAF` when the bound allows products, else `PAIRWISE_LEAF`); ``chunk_size`` must be
+    a power-of-two multiple of it (or smaller, then one leaf per chunk). ``chunks_per_step``:
+    chunks whose own work is computed together in one step of the loop.
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
+    bound_leaf = None if gate_lower_bound is None else \
+        PRODUCT_LEAF_MAX_EXPONENT // max(-gate_lower_bound, 1e-30)
+    if sub_chunk_size is None:
+        sub_chunk_size = PRODUCT_LEAF if bound_leaf is not None and bound_leaf >= PRODUCT_LEAF \
+            else PAIRWISE_LEAF
     s = min(sub_chunk_size, chunk_size)
-    if chunk_size % s:
-        raise ValueError(f"chunk_size {chunk_size} is not a multiple of sub_chunk_size {s}")
-    c, m = chunk_size, chunk_size // s
+    m = chunk_size // s
+    if chunk_size % s or m & (m - 1):
+        raise ValueError(f"chunk_size {chunk_size} is not a power-of-two multiple of "
+                         f"sub_chunk_size {s}")
+    product_leaves = bound_leaf is not None and s <= bound_leaf
+    while m > 1 and (m // 2) * s >= t:  # a short input: one chunk just long enough, not padding
+        m //= 2
+    c = m * s
     n = -(-t // c)
-    pad = n * c - t
+    per_step = max(1, min(chunks_per_step, n))
+    steps = -(-n // per_step)
+    pad = steps * per_step * c - t
 
-    def sub_chunks(a: jax.Array) -> jax.Array:  # [B, T, H, ...] -> [B, H, N, M, S, ...]
+    def to_steps(a: jax.Array) -> jax.Array:  # [B, T, H, ...] -> [steps, per_step, B, H, M, S, ...]
         a = jnp.pad(a.astype(_f32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        return jnp.moveaxis(a.reshape(b, n, m, s, *a.shape[2:]), 4, 1)
+        a = a.reshape(b, steps, per_step, m, s, *a.shape[2:])
+        return jnp.moveaxis(a, (1, 2, 5), (0, 1, 3))
 
-    q, k, v, g, beta = (sub_chunks(a) for a in (q, k, v, g, beta))
-    local = jnp.cumsum(g, axis=-2)  # [B, H, N, M, S, K]
-    total = local[..., -1, :]  # each sub-chunk's decay
-    before = jnp.cumsum(total, axis=-2) - total  # decay of the earlier sub-chunks of the chunk
-    chunk_total = jnp.sum(total, axis=-2)  # [B, H, N, K]
-
-    a = _interactions(q, k, local, total, before, gate_lower_bound, precision)
-    a_qk, a_kk = a[..., 0, :, :], a[..., 1, :, :]
-
-    def whole(x: jax.Array) -> jax.Array:  # [..., M, S, D] -> [..., C, D]
-        return x.reshape(*x.shape[:-3], c, x.shape[-1])
-
-    beta = beta.reshape(*beta.shape[:-2], c)
-    strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    inverse = _block_unit_lower_inverse(jnp.where(strict, beta[..., :, None] * a_kk, 0.0), s,
-                                        precision)
-    gamma = whole(jnp.exp(before[..., None, :] + local))  # from the chunk start, <= 1
-    to_end = whole(jnp.exp(chunk_total[..., None, None, :] - before[..., None, :] - local))
-    q, k, v = whole(q), whole(k), whole(v)
-    solved = jnp.einsum("...ij,...jd->...id", inverse,
-                        beta[..., None] * jnp.concatenate([v, k * gamma], axis=-1),
-                        precision=precision)
-    u_local, w = solved[..., :dv], solved[..., dv:]
-    reads = jnp.concatenate([w, q * gamma], axis=-2)  # [..., 2C, K]: both read the entering state
-    keys_to_end = k * to_end
-
-    def hand_off(state, xs):
-        reads, u_local, keys_to_end, decay = xs
-        read = jnp.einsum("...ck,...kv->...cv", reads, state, precision=precision)
-        u = u_local - read[..., :c, :]
-        state = jnp.exp(decay)[..., None] * state + jnp.einsum(
-            "...ck,...cv->...kv", keys_to_end, u, precision=precision)
-        return state, (u, read[..., c:, :])
+    def step(state, xs):
+        chunks = _chunk_terms(*xs, product_leaves=product_leaves, precision=precision)
+        outputs = []
+        for i in range(per_step):
+            state, o = _hand_off(state, _ChunkTerms(*(x[i] for x in chunks)), precision)
+            outputs.append(o)
+        return state, jnp.stack(outputs)
 
     state = jnp.zeros((b, h, dk, dv), _f32) if initial_state is None else \
         initial_state.astype(_f32)
-    chunk_major = tuple(jnp.moveaxis(x, 2, 0) for x in (reads, u_local, keys_to_end, chunk_total))
-    state, (u, o_state) = jax.lax.scan(hand_off, state, chunk_major)
-    o = jnp.moveaxis(o_state, 0, 2) + jnp.einsum("...ij,...jv->...iv", a_qk,
-                                                 jnp.moveaxis(u, 0, 2), precision=precision)
-    o = jnp.moveaxis(o, 1, 3).reshape(b, n * c, h, dv)  # [B, H, N, C, V] -> [B, T, H, V]
+    state, o = jax.lax.scan(step, state, tuple(to_steps(x) for x in (q, k, v, g, beta)))
+    # [steps, per_step, B, H, C, V] -> [B, T, H, V]
+    o = jnp.moveaxis(o, (0, 1, 3), (1, 2, 4)).reshape(b, steps * per_step * c, h, dv)
     return o[:, :t], state
