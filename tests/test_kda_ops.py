@@ -227,6 +227,20 @@ def test_chunked_with_one_sub_chunk_per_chunk_matches_the_float64_recurrence():
         np.testing.assert_allclose(np.asarray(s)[rows], s_ref[rows], rtol=5e-5, atol=5e-5)
 
 
+def test_chunked_pads_a_last_partial_step_of_chunks_with_no_ops():
+    """300 tokens are 5 chunks of 64, walked 4 per step: the second step holds one real chunk
+    (partly filled) and three of padding, which must leave the state and outputs untouched."""
+    (q, k, v, g, beta), s0 = harness_inputs(300, jnp.float32, seed=5)
+    o_ref, s_ref = reference_f64(q, k, v, g, beta, s0)
+    form = _jit(kda_chunked, static_argnames=("gate_lower_bound", "chunks_per_step",
+                                              "precision"))
+    for bound, rows in ((None, [0, 1, 2, 3]), (K3_BOUND, [0, 2, 3])):
+        o, s = form(q, k, v, g, beta, s0, gate_lower_bound=bound, chunks_per_step=4,
+                    precision=HIGHEST)
+        np.testing.assert_allclose(np.asarray(o)[rows], o_ref[rows], rtol=5e-5, atol=5e-5)
+        np.testing.assert_allclose(np.asarray(s)[rows], s_ref[rows], rtol=5e-5, atol=5e-5)
+
+
 def test_chunked_refuses_a_chunk_that_is_not_whole_sub_chunks():
     (q, k, v, g, beta), s0 = harness_inputs(8, jnp.float32)
     with pytest.raises(ValueError, match="multiple of sub_chunk_size"):
