@@ -137,9 +137,11 @@ class _Poisoning:
         taken = set(self.scheduler._decoding)
         free = [s for s in range(pool.slots.tokens.shape[0]) if s not in taken]
         state = pool.state
-        poisoned = self._fill(state._replace(lengths=None), free, axis=1)
+        # Stacked fields hold the slots on axis 1; a per-layer pool's arrays on axis 0.
+        poisoned = {name: self._fill(field, free, axis=0 if isinstance(field, list) else 1)
+                    for name, field in state._asdict().items() if name != "lengths"}
         lengths = state.lengths.at[jnp.asarray(free)].set(97) if free else state.lengths
-        pool = pool._replace(state=poisoned._replace(lengths=lengths))
+        pool = pool._replace(state=state._replace(**poisoned, lengths=lengths))
         return self._engine.insert(pool, prefix, slots, *args, **kwargs)
 
     def _free_entries(self, cache, writing=()):

@@ -69,6 +69,70 @@ def test_the_leader_engine_broadcasts_and_refuses_a_pool_it_replaced(tiny):
     leader.close()
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_a_chunk_riding_a_decode_step_equals_separate_calls(tiny, scan_layers):
+    """`decode_and_prefill` (one decode step for the pool with a prefill chunk in the same
+    call, then the insert of the rows it ends) against the same work as separate calls
+    (`generate` of one step, `prefill_chunk`, `insert`): a 40-token prompt over two chunks
+    (inserted by the second call) and a 5-token one (by the first), next to two decoding
+    slots, one greedy and one sampled; stacked layers and a per-layer pool."""
+    cfg, _ = tiny
+    cfg = cfg.replace(scan_layers=scan_layers)
+    engine = engine_for(cfg, seed=3)
+    rng = np.random.default_rng(7)
+    running = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (6, 20)]
+    waiting = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (40, 5)]
+    chunk = cfg.prefill_chunk_size
+    tokens = np.zeros((2, 2 * chunk), np.int32)
+    valid = np.zeros(tokens.shape, bool)
+    for i, p in enumerate(waiting):
+        tokens[i, : len(p)], valid[i, : len(p)] = p, True
+    params = sampling.host_sampling([(0.0, 0, 1.0, 0), (0.9, 20, 0.95, 77)])
+    stop = np.tile(engine.stop_ids(), (2, 1))
+    inserts = [[-1, 3], [0, -1]]  # per chunk: the slot of each row whose prompt it ends
+
+    def start():
+        pool = engine.new_pool(4)
+        pool, _ = engine.insert(pool, engine.prefill(running), [1, 2], [12, 12], stop, params)
+        return pool, engine.new_prefix(2)
+
+    pool, prefix = start()
+    separate = []
+    for c, slots in enumerate(inserts):
+        part = slice(c * chunk, (c + 1) * chunk)
+        pool, step = engine.generate(pool, 1)
+        prefix = engine.prefill_chunk(prefix, tokens[:, part], valid[:, part], c * chunk)
+        pool, first = engine.insert(pool, prefix, slots, [12, 12], stop, params)
+        separate.append((step, first))
+    pool, rest = engine.generate(pool, 6)
+
+    pool_b, prefix_b = start()
+    for c, slots in enumerate(inserts):
+        part = slice(c * chunk, (c + 1) * chunk)
+        pool_b, prefix_b, step, first = engine.decode_and_prefill(
+            pool_b, prefix_b, tokens[:, part], valid[:, part], c * chunk, slots, [12, 12],
+            stop, params)
+        want_step, want_first = separate[c]
+        assert step.ids.tolist() == want_step.ids.tolist() and step.steps == 1
+        # Slot 3 decodes from the step after its insert.
+        assert step.count.tolist() == want_step.count.tolist() == [0, 1, 1, c]
+        np.testing.assert_allclose(step.logprobs, want_step.logprobs, atol=1e-5)
+        for row, slot in enumerate(slots):
+            if slot >= 0:
+                assert first.ids[row] == want_first.ids[row]
+                np.testing.assert_allclose(first.logprobs[row], want_first.logprobs[row],
+                                           atol=1e-5)
+    pool_b, rest_b = engine.generate(pool_b, 6)
+    assert rest_b.ids.tolist() == rest.ids.tolist()
+    assert rest_b.count.tolist() == rest.count.tolist() and min(rest.count) == 6
+    np.testing.assert_allclose(rest_b.logprobs, rest.logprobs, atol=1e-5)
+    # The token-wise products run over more rows in the shared call: rounding, grown to ~1e-5
+    # in the KDA states after 8 steps.
+    for got, want in zip(jax.tree.leaves(pool_b.state), jax.tree.leaves(pool.state),
+                         strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+
+
 def test_the_scheduler_prefills_through_buckets_like_whole_chunks(tiny):
     """With `prefill_buckets`, groups whose prompts end early run narrower calls (each width
     seen), and every request's tokens and log-probabilities equal those served with whole
@@ -556,8 +620,9 @@ def test_isolation_under_concurrent_mixed_load(shipped):
     run_load(server, prompts, reference, 64, "k3-small")
     assert not [line for line in server.lines if "Traceback" in line or "ERROR" in line]
     compiles = [line for line in server.lines if "compiling" in line]
-    # Prefill chunk, insert, generate, the prefix cache's restore and save: once each.
-    assert len(compiles) == 5, compiles
+    # Prefill chunk, insert, generate, the decode step with a chunk riding along, the prefix
+    # cache's restore and save: once each.
+    assert len(compiles) == 6, compiles
     metrics = server.metrics()  # the load repeats prompts: the cache served some
     assert metrics["k3text_prefix_cache_hit_tokens_total"] >= 16
     assert 0 < metrics["k3text_prefix_cache_bytes"] <= 2_000_000

@@ -117,7 +117,7 @@ def serve(cfg: Config) -> None:
                 leaders.append(engine)
             seconds = engine.warm_up(slots, cfg.serve_steps_per_call,
                                      prefill_batch=min(cfg.serve_prefill_batch, slots),
-                                     top_n=cfg.serve_max_logprobs)
+                                     top_n=cfg.serve_max_logprobs, serving=True)
             scheduler = Scheduler(cfg, engine, tokenizer, metrics)
             scheduler.start()
             state.scheduler = scheduler

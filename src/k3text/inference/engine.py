@@ -49,7 +49,14 @@ from k3text.config import Config, ConfigError
 from k3text.inference import prefix_cache, sampling, weights
 from k3text.inference.prefix_cache import STORE_AXES, PrefixCache, PrefixStore
 from k3text.inference.sampling import SlotSampling
-from k3text.models.decoder import Decoder, per_layer_state, split_for_unrolled, stacked_state
+from k3text.models.decoder import (
+    Decoder,
+    is_per_layer,
+    per_layer_form,
+    per_layer_state,
+    split_for_unrolled,
+    stacked_state,
+)
 from k3text.models.state import STATE_AXES, DecodeState, cache_length, state_shapes
 
 log = logging.getLogger("k3text.engine")
@@ -138,6 +145,9 @@ class Engine:
                                  static_argnames=("max_steps", "top_n"),
                                  donate_argnames=("pool",))
         self._release = jax.jit(release_program, donate_argnames=("pool",))
+        self._decode_and_prefill = jax.jit(bound(decode_and_prefill_program, cfg, self.layout),
+                                           static_argnames=("top_n",),
+                                           donate_argnames=("pool", "prefix"))
         self._restore = jax.jit(prefix_cache.restore_program, donate_argnames=("state",))
         self._save = jax.jit(prefix_cache.save_program, donate_argnames=("store",))
         self._step = jax.jit(bound(_step_program, cfg, self.layout),
@@ -187,8 +197,9 @@ class Engine:
 
     def new_pool(self, slots: int) -> Pool:
         """An empty pool of `slots` decode slots (all free)."""
-        shapes = pool_shapes(self.cfg, slots)
-        return Pool(self.new_state(slots), self._zero("slots", slots, shapes.slots, SLOT_AXES))
+        shapes, axes = pool_shapes(self.cfg, slots), pool_axes(self.cfg)
+        return Pool(self._zero("pool", slots, shapes.state, axes.state),
+                    self._zero("slots", slots, shapes.slots, SLOT_AXES))
 
     def new_store(self, entries: int) -> PrefixStore:
         """An empty prefix-cache store of `entries` blocks (`inference/prefix_cache.py`)."""
@@ -357,6 +368,31 @@ class Engine:
             ids, lps, top_ids, top_lps, count, active, steps = _to_host(out)
         return pool, Tokens(ids, lps, top_ids, top_lps, count, active, int(steps))
 
+    def decode_and_prefill(self, pool: Pool, prefix: Prefix, tokens: np.ndarray,
+                           valid: np.ndarray, start: int, slots: Sequence[int],
+                           limits: Sequence[int], stop_ids: np.ndarray, params: SlotSampling,
+                           top_n: int = 0) -> tuple[Pool, Prefix, Tokens, Tokens]:
+        """One decode step for every slot with a prefill chunk riding along in the same call
+        (`prefill_chunk`'s arguments), then `insert` of the prefix rows given a slot (-1: none;
+        their prompts have not ended, or they are padding). `pool` and `prefix` are consumed.
+        Returns the pool, the prefix, the step's tokens as `generate` gives them (the slots
+        inserted were free during the step) and the inserted rows' first tokens."""
+        self._note_shape("decode + prefill", "{} slots + {} x {} tokens".format(
+            pool.slots.tokens.shape[0], *tokens.shape))
+        host = lambda a, dt: self._global(np.asarray(a, dt), ("batch",))  # noqa: E731
+        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
+            pool, prefix, out, first = self._decode_and_prefill(
+                self._weights, pool, prefix, self._global(tokens, ("batch", None)),
+                self._global(valid, ("batch", None)), jnp.int32(start), host(slots, np.int32),
+                host(limits, np.int32), self._global(np.asarray(stop_ids, np.int32),
+                                                     ("batch", None)),
+                jax.tree.map(lambda a, ax: self._global(a, ax), params, SLOT_AXES.sampling),
+                top_n=top_n)
+            (ids, lps, top_ids, top_lps, count, active, steps), first = _to_host((out, first))
+        rows = prefix.logits.shape[0]
+        return (pool, prefix, Tokens(ids, lps, top_ids, top_lps, count, active, int(steps)),
+                Tokens(*first[:4], np.ones(rows, np.int32), first[4]))
+
     def release(self, pool: Pool, slots: Sequence[int]) -> Pool:
         """Mark `slots` free (their state is left; the next `insert` overwrites all of it)."""
         free = np.zeros(pool.slots.tokens.shape[0], bool)
@@ -391,12 +427,13 @@ class Engine:
             return self._step(self._weights, tokens, state, key)
 
     def warm_up(self, batch: int, max_steps: int | None = None, prefill_batch: int | None = None,
-                top_n: int = 0) -> float:
-        """Compile (or load from the compilation cache) the programs `decode_batch` (or a
-        server) runs for `batch` slots, by running them on nothing: one chunk of padding,
-        inserted as padding rows, and a decode call with no active slot, which stops before its
-        first step. Returns the seconds it took, so callers can report compile time apart from
-        throughput."""
+                top_n: int = 0, serving: bool = False) -> float:
+        """Compile (or load from the compilation cache) the programs `decode_batch` (or, with
+        `serving`, a server's scheduler) runs for `batch` slots, by running them on nothing:
+        one chunk of padding, inserted as padding rows, and a decode call with no active slot,
+        which stops before its first step; for a server also the decode step with each chunk
+        width riding along. Returns the seconds it took, so callers can report compile time
+        apart from throughput."""
         cfg = self.cfg
         max_steps = cfg.max_decode_steps - 1 if max_steps is None else max_steps
         prefill_batch = prefill_batch or batch
@@ -413,7 +450,14 @@ class Engine:
         pool, _ = self.insert(pool, prefix, [-1] * prefill_batch, [1] * prefill_batch,
                               np.tile(self.stop_ids(), (prefill_batch, 1)),
                               sampling.config_sampling(cfg, prefill_batch), top_n)
-        self.generate(pool, max(max_steps, 1), top_n)
+        pool, _ = self.generate(pool, max(max_steps, 1), top_n)
+        if serving:
+            for width in (*self.buckets, cfg.prefill_chunk_size):
+                chunk = np.full((prefill_batch, width), cfg.pad_token_id, np.int32)
+                pool, prefix, _, _ = self.decode_and_prefill(
+                    pool, prefix, chunk, np.zeros(chunk.shape, bool), 0, [-1] * prefill_batch,
+                    [1] * prefill_batch, np.tile(self.stop_ids(), (prefill_batch, 1)),
+                    sampling.config_sampling(cfg, prefill_batch), top_n)
         return time.perf_counter() - t0
 
     def decode_batch(self, prompts: Sequence[Sequence[int]], batch: int | None = None,
@@ -526,6 +570,9 @@ def insert_program(pool: Pool, prefix: Prefix, slots: jax.Array, limit: jax.Arra
     def put(field, whole, part):
         if field == "lengths":
             return whole.at[at].set(part, mode="drop")
+        if isinstance(whole, list):  # a per-layer pool: layer l of the prefix into array l
+            return [w.at[at].set(part[layer].astype(w.dtype), mode="drop")
+                    for layer, w in enumerate(whole)]
         return whole.at[:, at].set(part.astype(whole.dtype), mode="drop")
 
     state = DecodeState(*(put(f, w, p) for f, w, p in
@@ -547,44 +594,80 @@ def generate_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, max_st
     slot, active after, steps run)."""
     model = _merge(graphdef, params)
     slots = pool.slots
-    n = slots.tokens.shape[0]
-    out = jnp.full((n, max_steps), cfg.pad_token_id, jnp.int32)
-    lps = jnp.zeros((n, max_steps), jnp.float32)
-    top_ids = jnp.zeros((n, max_steps, top_n), jnp.int32)
-    top_lps = jnp.zeros((n, max_steps, top_n), jnp.float32)
 
     def cond(carry):
         step, active = carry[0], carry[2]
         return (step < max_steps) & jnp.any(active)
 
     def body(carry):
-        step, tokens, active, produced, out, lps, top_ids, top_lps, state = carry
-        logits, new_state = model.decode(tokens, state)
-        # Free slots run too (fixed shapes) but their length stays put, so their cache writes
-        # stay in range; `insert` overwrites everything a free slot holds.
-        state = new_state._replace(lengths=jnp.where(active, new_state.lengths, state.lengths))
-        sampled, lp, t_ids, t_lps = sampling.sample_slots(logits, slots.sampling, produced,
-                                                          top_n)
-        out = out.at[:, step].set(jnp.where(active, sampled, cfg.pad_token_id))
-        lps = lps.at[:, step].set(jnp.where(active, lp, 0.0))
-        top_ids = top_ids.at[:, step].set(t_ids)
-        top_lps = top_lps.at[:, step].set(t_lps)
-        produced = produced + active.astype(jnp.int32)
-        finished = _is_stop(sampled, slots.stop_ids) | (produced >= slots.limit)
-        tokens = jnp.where(active, sampled, tokens)
-        return (step + 1, tokens, active & ~finished, produced, out, lps, top_ids, top_lps,
-                state)
+        tokens, state = carry[1], carry[-1]
+        return _advance(cfg, slots, top_n, carry, *model.decode(tokens, state))
 
-    unrolled = not cfg.scan_layers  # carry each layer's state as its own array
-    carry = (jnp.int32(0), slots.tokens, slots.active, slots.produced, out, lps, top_ids,
-             top_lps, per_layer_state(pool.state) if unrolled else pool.state)
-    steps, tokens, active, produced, out, lps, top_ids, top_lps, state = \
-        jax.lax.while_loop(cond, body, carry)
-    if unrolled:
+    # Unrolled layers carry each layer's state as its own array. A pool already in that form
+    # (`pool_shapes`) is updated in place; a stacked one is split here and stacked back.
+    restack = not cfg.scan_layers and not is_per_layer(pool.state)
+    state = per_layer_state(pool.state) if restack else pool.state
+    carry = jax.lax.while_loop(cond, body, _first_carry(cfg, slots, state, max_steps, top_n))
+    steps, tokens, active, produced, out, lps, top_ids, top_lps, state = carry
+    if restack:
         state = stacked_state(state)
     new_slots = slots._replace(tokens=tokens, active=active, produced=produced)
     return Pool(state, new_slots), (out, lps, top_ids, top_lps, produced - slots.produced,
                                     active, steps)
+
+
+def decode_and_prefill_program(cfg: Config, graphdef: Any, params: Any, pool: Pool,
+                               prefix: Prefix, tokens: jax.Array, valid: jax.Array,
+                               start: jax.Array, slots: jax.Array, limit: jax.Array,
+                               stop_ids: jax.Array, sampling_params: SlotSampling, top_n: int,
+                               ) -> tuple[Pool, Prefix, tuple, tuple]:
+    """One decode step for every slot with one prefill chunk riding along (`prefill_chunk_program`
+    on `prefix`, through `Decoder.decode_and_prefill`), then prefix row i inserted into slot
+    `slots[i]` (`insert_program`; -1: not yet, or padding). Returns the pool, the prefix, the
+    step's outputs as `generate_program` gives them for one step (the inserted slots were free
+    during it), and the insert's first tokens."""
+    model = _merge(graphdef, params)
+    s = pool.slots
+    logits, state, chunk_logits, prefix_state = model.decode_and_prefill(
+        s.tokens, pool.state, tokens, valid, prefix.state, start)
+    carry = _advance(cfg, s, top_n, _first_carry(cfg, s, pool.state, 1, top_n), logits, state)
+    steps, last, active, produced, out, lps, top_ids, top_lps, state = carry
+    pool = Pool(state, s._replace(tokens=last, active=active, produced=produced))
+    ends_here = jnp.any(valid, axis=1)
+    prefix = Prefix(jnp.where(ends_here[:, None], chunk_logits, prefix.logits), prefix_state)
+    pool, first = insert_program(pool, prefix, slots, limit, stop_ids, sampling_params, top_n)
+    return pool, prefix, (out, lps, top_ids, top_lps, produced - s.produced, active, steps), \
+        first
+
+
+def _first_carry(cfg: Config, slots: Slots, state: DecodeState, max_steps: int,
+                 top_n: int) -> tuple:
+    """The decode loop's carry before its first step: (step, last tokens, active, produced,
+    tokens out [S, max_steps], their logprobs, top ids, top logprobs, state)."""
+    n = slots.tokens.shape[0]
+    return (jnp.int32(0), slots.tokens, slots.active, slots.produced,
+            jnp.full((n, max_steps), cfg.pad_token_id, jnp.int32),
+            jnp.zeros((n, max_steps), jnp.float32), jnp.zeros((n, max_steps, top_n), jnp.int32),
+            jnp.zeros((n, max_steps, top_n), jnp.float32), state)
+
+
+def _advance(cfg: Config, slots: Slots, top_n: int, carry: tuple, logits: jax.Array,
+             new_state: DecodeState) -> tuple:
+    """The carry after one decode step that gave `logits` and `new_state`: each active slot's
+    token sampled with its own parameters and recorded, stops and limits applied."""
+    step, tokens, active, produced, out, lps, top_ids, top_lps, state = carry
+    # Free slots run too (fixed shapes) but their length stays put, so their cache writes stay
+    # in range; `insert` overwrites everything a free slot holds.
+    state = new_state._replace(lengths=jnp.where(active, new_state.lengths, state.lengths))
+    sampled, lp, t_ids, t_lps = sampling.sample_slots(logits, slots.sampling, produced, top_n)
+    out = out.at[:, step].set(jnp.where(active, sampled, cfg.pad_token_id))
+    lps = lps.at[:, step].set(jnp.where(active, lp, 0.0))
+    top_ids = top_ids.at[:, step].set(t_ids)
+    top_lps = top_lps.at[:, step].set(t_lps)
+    produced = produced + active.astype(jnp.int32)
+    finished = _is_stop(sampled, slots.stop_ids) | (produced >= slots.limit)
+    tokens = jnp.where(active, sampled, tokens)
+    return (step + 1, tokens, active & ~finished, produced, out, lps, top_ids, top_lps, state)
 
 
 def release_program(pool: Pool, free: jax.Array) -> Pool:
@@ -599,17 +682,26 @@ def _step_program(cfg: Config, graphdef: Any, params: Any, tokens: jax.Array,
 
 
 def pool_shapes(cfg: Config, slots: int) -> Pool:
-    """ShapeDtypeStructs of a pool of `slots` slots."""
+    """ShapeDtypeStructs of a pool of `slots` slots. With unrolled layers (`scan_layers`
+    false) its state is kept per layer (`per_layer_form`): the decode loop carries each layer's
+    arrays as they are, where splitting a stacked pool copied the whole state every call."""
     i32 = lambda *shape: jax.ShapeDtypeStruct((slots, *shape), jnp.int32)  # noqa: E731
     f32 = jax.ShapeDtypeStruct((slots,), jnp.float32)
-    return Pool(state_shapes(cfg, slots),
+    return Pool(_pool_state_form(cfg, state_shapes(cfg, slots), STATE_AXES)[0],
                 Slots(tokens=i32(), active=jax.ShapeDtypeStruct((slots,), jnp.bool_),
                       produced=i32(), limit=i32(), stop_ids=i32(MAX_STOP_IDS),
                       sampling=SlotSampling(f32, i32(), f32,
                                             jax.ShapeDtypeStruct((slots, 2), jnp.uint32))))
 
 
-POOL_AXES = Pool(STATE_AXES, SLOT_AXES)
+def pool_axes(cfg: Config) -> Pool:
+    """The logical axes of `pool_shapes(cfg, ...)`."""
+    return Pool(_pool_state_form(cfg, state_shapes(cfg, 1), STATE_AXES)[1], SLOT_AXES)
+
+
+def _pool_state_form(cfg: Config, shapes: DecodeState, axes: DecodeState,
+                     ) -> tuple[DecodeState, DecodeState]:
+    return (shapes, axes) if cfg.scan_layers else per_layer_form(shapes, axes)
 
 
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:

@@ -283,6 +283,63 @@ class Decoder(nnx.Module):
         return self._logits(stream), state._replace(lengths=positions + 1)
 
 
+    def decode_and_prefill(self, tokens: jax.Array, state: DecodeState, chunk: jax.Array,
+                           valid: jax.Array, prefix: DecodeState, start: jax.Array,
+                           ) -> tuple[jax.Array, DecodeState, jax.Array, DecodeState]:
+        """One decode step for the slots (`decode`: tokens [S], `state`) and one prefill chunk
+        for other sequences (`prefill`: chunk and valid [P, C] from `start`, state `prefix`)
+        in one pass: every token-wise sublayer (projections, MoE, norms, AttnRes mixes) runs
+        once over the S + P x C tokens; only the mixers run apart, each mode on its own state.
+        Returns (the slots' logits [S, vocab], their state, the chunk's logits [P, vocab] at
+        each row's last real token, the prefix state), each as `decode` and `prefill` give
+        it."""
+        slots = tokens.shape[0]
+        rows, width = chunk.shape
+        positions = state.lengths
+
+        def run(mixer, spec, kda_slot, mla_slot, h, both):
+            state, prefix = both
+            h_step, h_chunk = h[:slots], h[slots:].reshape(rows, width, -1)
+            if spec.mixer == "kda":
+                a_step, new = mixer.step(h_step, KDAState(state.kda_recurrent[kda_slot],
+                                                          state.kda_conv[kda_slot]))
+                a_chunk, new_p = mixer(h_chunk, KDAState(prefix.kda_recurrent[kda_slot],
+                                                         prefix.kda_conv[kda_slot]), valid)
+                state = state._replace(
+                    kda_recurrent=_set(state.kda_recurrent, kda_slot, new.recurrent),
+                    kda_conv=_set(state.kda_conv, kda_slot, new.conv))
+                prefix = prefix._replace(
+                    kda_recurrent=_set(prefix.kda_recurrent, kda_slot, new_p.recurrent),
+                    kda_conv=_set(prefix.kda_conv, kda_slot, new_p.conv))
+            else:
+                a_step, cache = mixer.step(h_step, state.mla_cache[mla_slot], positions)
+                a_chunk, cache_p = mixer(h_chunk, prefix.mla_cache[mla_slot], start, valid)
+                state = state._replace(mla_cache=_set(state.mla_cache, mla_slot, cache))
+                prefix = prefix._replace(mla_cache=_set(prefix.mla_cache, mla_slot, cache_p))
+            a = jnp.concatenate([a_step, a_chunk.reshape(rows * width, -1)])
+            return a, (state, prefix)
+
+        came_stacked = not is_per_layer(state)
+        if not self.cfg.scan_layers:
+            state = per_layer_state(state)
+        flat = jnp.concatenate([tokens, chunk.reshape(-1)])
+        stream, (state, prefix) = self._layers(self._stream(flat), (state, prefix), run)
+        if not self.cfg.scan_layers and came_stacked:
+            state = stacked_state(state)
+        count = jnp.sum(valid, axis=1, dtype=jnp.int32)
+        # The slots' rows, then each chunk row's last real token.
+        picked = jnp.concatenate([jnp.arange(slots),
+                                  slots + jnp.arange(rows) * width + jnp.maximum(count - 1, 0)])
+        if self.cfg.attn_res_block_size:
+            stream = stream._replace(prefix_sum=stream.prefix_sum[picked],
+                                     blocks=stream.blocks[:, picked])
+        else:
+            stream = stream[picked]
+        logits = self._logits(stream)
+        return (logits[:slots], state._replace(lengths=positions + 1), logits[slots:],
+                prefix._replace(lengths=jnp.where(count > 0, start + count, prefix.lengths)))
+
+
 def group_slice(tree: Any, g: int) -> Any:
     """Group g's parameters: a slice of each stacked array, or the g-th piece of a stack that
     `split_for_unrolled` already split."""
@@ -345,6 +402,20 @@ def per_layer_state(state: DecodeState) -> DecodeState:
     return state._replace(**{name: list(getattr(state, name)) for name in _LAYER_STATES
                              if not isinstance(getattr(state, name), list)
                              and getattr(state, name).shape[0]})
+
+
+def per_layer_form(shapes: DecodeState, axes: DecodeState) -> tuple[DecodeState, DecodeState]:
+    """A stacked state's ShapeDtypeStructs and logical axes in the form `per_layer_state` gives
+    the state itself: each layer-stacked field a list of its layers' entries, the leading layer
+    dimension dropped (empty stacks stay as they are)."""
+    split_shapes, split_axes = {}, {}
+    for name in _LAYER_STATES:
+        shape, logical = getattr(shapes, name), getattr(axes, name)
+        if shape.shape[0]:
+            split_shapes[name] = [jax.ShapeDtypeStruct(shape.shape[1:], shape.dtype)] * \
+                shape.shape[0]
+            split_axes[name] = [logical[1:]] * shape.shape[0]
+    return shapes._replace(**split_shapes), axes._replace(**split_axes)
 
 
 def stacked_state(state: DecodeState) -> DecodeState:

@@ -33,7 +33,8 @@ from k3text.inference.prefix_cache import PrefixStore
 log = logging.getLogger("k3text.serve")
 
 DEVICE_CALLS = ("new_pool", "new_prefix", "prefill_chunk", "prefill_slices", "insert",
-                "generate", "release", "warm_up", "new_store", "restore_prefix", "save_blocks")
+                "generate", "decode_and_prefill", "release", "warm_up", "new_store",
+                "restore_prefix", "save_blocks")
 _STOP = "stop"
 _MIN_MESSAGE = 1 << 12
 
@@ -65,9 +66,11 @@ def _kind(value: Any) -> str | None:
     return None
 
 
-def _returned(method: str, result: Any) -> Any:
-    """The pool or prefix a call returns (insert and generate return it first, with tokens)."""
-    return result[0] if method in ("insert", "generate") else result
+def _returned(result: Any) -> list[tuple[str, Any]]:
+    """The pools, prefixes and stores a call returns, by kind (insert and generate return the
+    pool with tokens; decode_and_prefill the pool and the prefix)."""
+    parts = result if isinstance(result, tuple) and _kind(result) is None else (result,)
+    return [(kind, part) for part in parts if (kind := _kind(part)) is not None]
 
 
 class LeaderEngine:
@@ -97,9 +100,7 @@ class LeaderEngine:
                    {k: self._encode(v) for k, v in kwargs.items()})
         _broadcast(pickle.dumps(message))
         result = getattr(self._engine, method)(*args, **kwargs)
-        kind = _kind(_returned(method, result))
-        if kind is not None:
-            self._latest[kind] = _returned(method, result)
+        self._latest.update(_returned(result))
         return result
 
     def close(self) -> None:
@@ -123,7 +124,5 @@ def follow(engine: Engine) -> int:
             return calls
         result = getattr(engine, method)(*[decode(a) for a in args],
                                          **{k: decode(v) for k, v in kwargs.items()})
-        kind = _kind(_returned(method, result))
-        if kind is not None:
-            latest[kind] = _returned(method, result)
+        latest.update(_returned(result))
         calls += 1

@@ -2,14 +2,18 @@
 
 One thread owns the engine and the pool and loops over iterations:
 1. requests cancelled (client gone, shutdown) leave the queue or free their slot;
-2. prefill under a token budget (`serve_prefill_token_budget`, at least one call; a group's
-   last call at the narrowest of `prefill_buckets` that holds what is left of its prompts): the
-   request being prefilled advances chunk by chunk, a new one starts when a slot is free, and a
-   finished prefix is inserted into its slot, which also samples its first token — so a long
-   prompt never stalls the running sequences for its whole length. With
-   `enable_prefix_caching` a group starts from its longest cached prefix
-   (`inference/prefix_cache.py`) and caches each block its chunks complete;
-3. one `generate` call of `serve_steps_per_call` steps for every slot, if any is active.
+2. while any slot decodes, one decode step with the next prefill chunk riding along in the
+   same call (`Engine.decode_and_prefill`: the token-wise layers run once over both), which
+   also inserts the rows whose prompts that chunk ends, then one `generate` call of
+   `serve_steps_per_call` steps for every slot;
+3. prefill under a token budget (`serve_prefill_token_budget`, the riding chunk included; at
+   least one call when nothing decodes; a group's last call at the narrowest of
+   `prefill_buckets` that holds what is left of its prompts): the request being prefilled
+   advances chunk by chunk, a new one starts when a slot is free, and a finished prefix is
+   inserted into its slot, which also samples its first token — so a long prompt never stalls
+   the running sequences for its whole length. With `enable_prefix_caching` a group starts
+   from its longest cached prefix (`inference/prefix_cache.py`) and caches each block its
+   chunks complete. A context-parallel group's calls never ride.
 Tokens go back to each request's `sink` (called on this thread) as `Delta`s and one `Finished`.
 A slot is freed in the iteration its request finishes, stops or is cancelled.
 
@@ -228,12 +232,12 @@ class Scheduler:
             r.cancelled = True
 
     def iterate(self) -> None:
-        """One scheduler iteration (cancellations, prefill under the budget, one decode call)."""
+        """One scheduler iteration (cancellations, decoding with a chunk riding along, prefill
+        under the budget)."""
         self._drop_cancelled()
         self._release_pending()  # before any insert: a freed slot may be refilled below
-        self._prefill_within_budget()
-        if self._decoding:
-            self._decode()
+        spent = self._decode() if self._decoding else 0
+        self._prefill_within_budget(spent)
         self._update_gauges()
 
     def _update_gauges(self) -> None:
@@ -276,11 +280,11 @@ class Scheduler:
             if r.cancelled:
                 self._end(r, "cancelled", on_device=True)
 
-    def _prefill_within_budget(self) -> None:
-        """Prefill chunks until this iteration's token budget is spent (at least one call)."""
+    def _prefill_within_budget(self, spent: int) -> None:
+        """Prefill chunks until this iteration's token budget is spent (`spent` tokens already
+        rode the decode call; at least one call when none did)."""
         chunk = self.cfg.prefill_chunk_size
         budget = self.cfg.serve_prefill_token_budget
-        spent = 0
         while True:
             if self._prefill is None:
                 self._prefill = self._start_prefill()
@@ -296,6 +300,8 @@ class Scheduler:
                 cost = width * len(job.live)
             if spent and spent + cost > budget:
                 return
+            if self._decoding and not spent and not job.slices:
+                return  # a job started after decoding ended; its first chunk rides next time
             began = time.perf_counter()
             try:
                 part = slice(job.start, job.start + width)
@@ -392,31 +398,46 @@ class Scheduler:
             self.prefix_cache.end(job.chains[row])
             job.chains[row] = None
 
-    def _insert_finished_rows(self, job: _Prefill) -> None:
-        """Insert the rows whose prompts ended within the chunks run so far."""
-        ready = [i for i, r in enumerate(job.rows)
-                 if r is not None and len(r.prompt_ids) <= job.start]
-        if not ready:
-            return
+    @staticmethod
+    def _insert_args(job: _Prefill, ready: list[int]) -> tuple:
+        """`Engine.insert`'s per-row arguments (slots, limits, stop ids, sampling) for the rows
+        `ready` of `job`; every other row is padding (slot -1)."""
         rows = [job.rows[i] if i in ready else None for i in range(len(job.rows))]
-        if any(r.slot in self._to_release for r in job.live):
-            self._release_pending()  # a release after the insert would stop these requests
-            if self._prefill is not job:  # the release failed and failed every request
-                return
         params = [(r.params.temperature, r.params.top_k, r.params.top_p,
                    r.params.seed if r.params.seed is not None else secrets.randbits(64))
                   if r else (0.0, 0, 1.0, 0) for r in rows]
         stop = np.stack([r.stop_ids if r else np.full(MAX_STOP_IDS, -1, np.int32)
                          for r in rows])
+        return ([r.slot if r else -1 for r in rows], [r.params.max_tokens if r else 1
+                                                       for r in rows],
+                stop, host_sampling(params))
+
+    def _insert_finished_rows(self, job: _Prefill) -> None:
+        """Insert the rows whose prompts ended within the chunks run so far."""
+        ready = self._ready_rows(job, job.start)
+        if not ready:
+            return
+        if any(r.slot in self._to_release for r in job.live):
+            self._release_pending()  # a release after the insert would stop these requests
+            if self._prefill is not job:  # the release failed and failed every request
+                return
         try:
-            self._pool, first = self.engine.insert(
-                self._pool, job.prefix, [r.slot if r else -1 for r in rows],
-                [r.params.max_tokens if r else 1 for r in rows], stop, host_sampling(params),
-                self.top_n)
+            self._pool, first = self.engine.insert(self._pool, job.prefix,
+                                                   *self._insert_args(job, ready), self.top_n)
         except Exception:
             log.exception("insert failed")
             self._fail_all("internal error while inserting a request")
             return
+        self._inserted(job, ready, first)
+
+    @staticmethod
+    def _ready_rows(job: _Prefill, end: int) -> list[int]:
+        """The live rows of `job` whose prompts end within its first `end` tokens."""
+        return [i for i, r in enumerate(job.rows)
+                if r is not None and len(r.prompt_ids) <= end]
+
+    def _inserted(self, job: _Prefill, ready: list[int], first: Tokens) -> None:
+        """Rows `ready` of `job` are in their slots: they decode from now on."""
         for i in ready:
             r, job.rows[i] = job.rows[i], None
             self._end_chain(job, i)
@@ -424,7 +445,13 @@ class Scheduler:
             self._decoding[r.slot] = r
             self._deliver(r, first, i)
 
-    def _decode(self) -> None:
+    def _decode(self) -> int:
+        """The iteration's decode calls: one step with the next prefill chunk riding along when
+        a group is waiting (`_decode_with_chunk`), then `serve_steps_per_call` steps. Returns
+        the prompt tokens that rode."""
+        spent = self._decode_with_chunk()
+        if not self._decoding:
+            return spent
         began = time.perf_counter()
         try:
             self._pool, out = self.engine.generate(self._pool, self.cfg.serve_steps_per_call,
@@ -438,6 +465,47 @@ class Scheduler:
         for slot, r in list(self._decoding.items()):
             if not r.done:
                 self._deliver(r, out, slot)
+        return spent
+
+    def _decode_with_chunk(self) -> int:
+        """One decode step for every slot with the next chunk of the group being prefilled (or
+        of a new one) in the same call; the rows whose prompts it ends are inserted by the
+        same call. Returns the prompt tokens it ran (0: no group, or a context-parallel one)."""
+        if self._prefill is None:
+            self._prefill = self._start_prefill()
+        job = self._prefill
+        if job is None or job.slices:
+            return 0
+        width = self.engine.chunk_width(max(len(r.prompt_ids) for r in job.live) - job.start)
+        ready = self._ready_rows(job, job.start + width)
+        if any(job.rows[i].slot in self._to_release for i in ready):
+            self._release_pending()  # a release after the insert would stop these requests
+            if self._prefill is not job:  # the release failed and failed every request
+                return 0
+        part, cost = slice(job.start, job.start + width), width * len(job.live)
+        began = time.perf_counter()
+        try:
+            self._pool, job.prefix, out, first = self.engine.decode_and_prefill(
+                self._pool, job.prefix, job.tokens[:, part], job.valid[:, part], job.start,
+                *self._insert_args(job, ready), self.top_n)
+        except Exception:  # the pool and the prefix were donated to the call
+            log.exception("decode call with a prefill chunk failed")
+            self._fail_all("internal error during decoding")
+            return 0
+        # One call, both kinds of work: its time counts as decoding (the prefill counter keeps
+        # the separate prefill calls).
+        self.metrics.decode_seconds.inc(time.perf_counter() - began)
+        self.metrics.decode_steps.inc(out.steps)
+        decoding = list(self._decoding.items())  # before the insert's rows join
+        job.start += width
+        self._cache_blocks(job)
+        self._inserted(job, ready, first)
+        for slot, r in decoding:
+            if not r.done:
+                self._deliver(r, out, slot)
+        if not job.live:
+            self._prefill = None
+        return cost
 
     def _deliver(self, r: Request, out: Tokens, row: int) -> None:
         """Send row `row` of `out` to `r`, and end `r` if it finished."""

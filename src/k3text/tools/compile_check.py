@@ -136,7 +136,7 @@ def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
 
     slots = cfg.global_batch_size
     rows = min(cfg.serve_prefill_batch, slots)
-    pool = abstract(engine.pool_shapes(cfg, slots), engine.POOL_AXES)
+    pool = abstract(engine.pool_shapes(cfg, slots), engine.pool_axes(cfg))
     prefix = engine.Prefix(
         abstract(jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.float32),
                  ("batch", "vocab")),
