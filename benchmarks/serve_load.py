@@ -60,7 +60,8 @@ from k3text.tools.tables import table
 
 FIELDS = ("mode", "round", "rate_rps", "concurrency", "requests", "output_tokens", "seconds",
           "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms",
-          "tpot_p90_ms", "tpot_p99_ms", "server_ms_per_step", "prefill_share")
+          "tpot_p90_ms", "tpot_p99_ms", "server_ms_per_step", "decode_share", "prefill_share",
+          "slot_occupancy")
 # A 256-position cache: room for the long answers after a 64-token prompt.
 DEFAULT_OVERRIDES = ["per_device_batch_size=8", "max_target_length=256", "progress=false"]
 
@@ -191,8 +192,8 @@ def server_counters(url: str) -> dict[str, float]:
     return values
 
 
-async def closed_loop(url: str, model: str, requests: list[dict],
-                      concurrency: int) -> dict[str, Any]:
+async def closed_loop(url: str, model: str, requests: list[dict], concurrency: int,
+                      slots: int) -> dict[str, Any]:
     queue = list(reversed(requests))
     results: list[dict] = []
     before = server_counters(url)
@@ -207,11 +208,16 @@ async def closed_loop(url: str, model: str, requests: list[dict],
     seconds = time.perf_counter() - start
     after = server_counters(url)
     delta = {k: after[k] - before[k] for k in after}
-    # Where the server's time went: its own per-step time, and the share spent prefilling.
+    # Where the server's time went: its own per-step time, the shares spent in decode calls
+    # and in separate prefill calls, and how full its slots were (output tokens per slot per
+    # decode step; first tokens come from inserts, so a full pool reads slightly above 1).
+    steps = delta["k3text_decode_steps_total"]
+    tokens = sum(r["tokens"] for r in results)
     return _summary("fixed concurrency", results, seconds, concurrency=concurrency,
-                    server_ms_per_step=1e3 * delta["k3text_decode_seconds_total"]
-                    / delta["k3text_decode_steps_total"],
-                    prefill_share=delta["k3text_prefill_seconds_total"] / seconds)
+                    server_ms_per_step=1e3 * delta["k3text_decode_seconds_total"] / steps,
+                    decode_share=delta["k3text_decode_seconds_total"] / seconds,
+                    prefill_share=delta["k3text_prefill_seconds_total"] / seconds,
+                    slot_occupancy=tokens / (steps * slots))
 
 
 # ---- shared prefixes: the prefix cache off and on ---------------------------------------------
@@ -293,9 +299,9 @@ def shared_prefix(args: argparse.Namespace, overrides: list[str]) -> None:
         server = ServerProcess(args.config, [*overrides, f"enable_prefix_caching={cached}"])
         try:
             warm = [{"prompt": [cfg.bos_token_id, 5, 6], "max_tokens": 2}] * slots
-            asyncio.run(closed_loop(server.url, model, warm, slots))
+            asyncio.run(closed_loop(server.url, model, warm, slots, slots))
             start = cache_counts(server.url)
-            shared = asyncio.run(closed_loop(server.url, model, suffixed, slots))
+            shared = asyncio.run(closed_loop(server.url, model, suffixed, slots, slots))
             middle = cache_counts(server.url)
             shared.update(workload="2,048-token system prompt + question", prefix_cache=cached,
                           hit_rate=hit_rate(start, middle))
@@ -452,7 +458,7 @@ def main() -> None:
     server = ServerProcess(args.config, overrides)
     rows, rounds = [], []
     try:
-        asyncio.run(closed_loop(server.url, model, requests[:slots], slots))  # warm
+        asyncio.run(closed_loop(server.url, model, requests[:slots], slots, slots))  # warm
         for rate in (float(r) for r in args.rates.split(",")):
             rows.append(asyncio.run(poisson(server.url, model, requests, rate, args.seed)))
             print(f"poisson {rate:g}/s: {rows[-1]['output_tokens_per_s']:.1f} tok/s",
@@ -461,7 +467,7 @@ def main() -> None:
         # to 2x over minutes, so each round's ratios come from runs seconds apart.
         for i in range(args.rounds):
             steady = offline.steady()
-            saturated = asyncio.run(closed_loop(server.url, model, requests, concurrency))
+            saturated = asyncio.run(closed_loop(server.url, model, requests, concurrency, slots))
             static = offline.static()
             for row in (saturated, steady, static):
                 row["round"] = i + 1
@@ -491,12 +497,15 @@ def main() -> None:
     def show(key: str) -> str:
         return f"{median[key]:.2f}x (rounds {spread[key][0]:.2f}-{spread[key][1]:.2f})"
 
-    shares = [r["prefill_share"] for r in rows if r["mode"] == "fixed concurrency"]
+    saturated = [r for r in rows if r["mode"] == "fixed concurrency"]
+    share = {k: float(np.median([r[k] for r in saturated]))
+             for k in ("decode_share", "prefill_share", "slot_occupancy")}
     print(f"median of {args.rounds} rounds:")
     print(f"saturation vs offline steady-state decode: {show('saturation')} (target >= 0.8)")
     print(f"TPOT p50, all slots busy, vs offline per step: {show('tpot')} (target <= 1.5)")
-    print(f"the server's own decode step at saturation vs offline's: {show('server_step')}, "
-          f"{float(np.median(shares)):.0%} of its time prefilling")
+    print(f"the server's own decode step at saturation vs offline's: {show('server_step')}; "
+          f"its time {share['decode_share']:.0%} in decode calls, {share['prefill_share']:.0%} "
+          f"in separate prefill calls; slots {share['slot_occupancy']:.0%} full")
     print(f"continuous vs static batching: {show('continuous')} (target >= 1.5)")
 
 

@@ -191,10 +191,13 @@ def serve(engine, cfg, requests, poison: bool = False):
 
 
 def check_equal(cold, warm):
+    # Tokens identical; log-probabilities within the serving tolerance (1e-4): a token's step
+    # may run in a different program in the two runs (a plain decode call, or one with a chunk
+    # riding along), which XLA fuses differently, ~1e-5 apart.
     for i, (a, b) in enumerate(zip(cold, warm, strict=True)):
         assert a["ids"] == b["ids"], f"request {i}"
-        np.testing.assert_allclose(b["lps"], a["lps"], atol=1e-5, rtol=0, err_msg=f"request {i}")
-        np.testing.assert_allclose(b["top"], a["top"], atol=1e-5, rtol=0, err_msg=f"request {i}")
+        np.testing.assert_allclose(b["lps"], a["lps"], atol=1e-4, rtol=0, err_msg=f"request {i}")
+        np.testing.assert_allclose(b["top"], a["top"], atol=1e-4, rtol=0, err_msg=f"request {i}")
 
 
 def _sharded(cfg, mode):

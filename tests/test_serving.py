@@ -72,10 +72,10 @@ def test_the_leader_engine_broadcasts_and_refuses_a_pool_it_replaced(tiny):
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_a_chunk_riding_a_decode_step_equals_separate_calls(tiny, scan_layers):
     """`decode_and_prefill` (one decode step for the pool with a prefill chunk in the same
-    call, then the insert of the rows it ends) against the same work as separate calls
-    (`generate` of one step, `prefill_chunk`, `insert`): a 40-token prompt over two chunks
-    (inserted by the second call) and a 5-token one (by the first), next to two decoding
-    slots, one greedy and one sampled; stacked layers and a per-layer pool."""
+    call, then the insert of the rows it ends, then more steps) against the same work as
+    separate calls (`generate` of one step, `prefill_chunk`, `insert`, `generate`): a 40-token
+    prompt over two chunks (inserted by the second call) and a 5-token one (by the first), next
+    to two decoding slots, one greedy and one sampled; stacked layers and a per-layer pool."""
     cfg, _ = tiny
     cfg = cfg.replace(scan_layers=scan_layers)
     engine = engine_for(cfg, seed=3)
@@ -96,6 +96,7 @@ def test_a_chunk_riding_a_decode_step_equals_separate_calls(tiny, scan_layers):
         pool, _ = engine.insert(pool, engine.prefill(running), [1, 2], [12, 12], stop, params)
         return pool, engine.new_prefix(2)
 
+    n_steps = [1, 3]  # the second call also runs two steps after its insert
     pool, prefix = start()
     separate = []
     for c, slots in enumerate(inserts):
@@ -103,16 +104,19 @@ def test_a_chunk_riding_a_decode_step_equals_separate_calls(tiny, scan_layers):
         pool, step = engine.generate(pool, 1)
         prefix = engine.prefill_chunk(prefix, tokens[:, part], valid[:, part], c * chunk)
         pool, first = engine.insert(pool, prefix, slots, [12, 12], stop, params)
-        separate.append((step, first))
-    pool, rest = engine.generate(pool, 6)
+        after = None
+        if n_steps[c] > 1:
+            pool, after = engine.generate(pool, n_steps[c] - 1)
+        separate.append((step, first, after))
+    pool, rest = engine.generate(pool, 4)
 
     pool_b, prefix_b = start()
     for c, slots in enumerate(inserts):
         part = slice(c * chunk, (c + 1) * chunk)
-        pool_b, prefix_b, step, first = engine.decode_and_prefill(
+        pool_b, prefix_b, step, first, after = engine.decode_and_prefill(
             pool_b, prefix_b, tokens[:, part], valid[:, part], c * chunk, slots, [12, 12],
-            stop, params)
-        want_step, want_first = separate[c]
+            stop, params, n_steps=n_steps[c])
+        want_step, want_first, want_after = separate[c]
         assert step.ids.tolist() == want_step.ids.tolist() and step.steps == 1
         # Slot 3 decodes from the step after its insert.
         assert step.count.tolist() == want_step.count.tolist() == [0, 1, 1, c]
@@ -122,9 +126,16 @@ def test_a_chunk_riding_a_decode_step_equals_separate_calls(tiny, scan_layers):
                 assert first.ids[row] == want_first.ids[row]
                 np.testing.assert_allclose(first.logprobs[row], want_first.logprobs[row],
                                            atol=1e-5)
-    pool_b, rest_b = engine.generate(pool_b, 6)
+        if want_after is None:
+            assert after is None
+        else:  # slot 0, inserted by this call, decodes in its later steps
+            assert after.steps == 2 and after.count.tolist() == want_after.count.tolist() \
+                == [2, 2, 2, 2]
+            assert after.ids.tolist() == want_after.ids.tolist()
+            np.testing.assert_allclose(after.logprobs, want_after.logprobs, atol=1e-5)
+    pool_b, rest_b = engine.generate(pool_b, 4)
     assert rest_b.ids.tolist() == rest.ids.tolist()
-    assert rest_b.count.tolist() == rest.count.tolist() and min(rest.count) == 6
+    assert rest_b.count.tolist() == rest.count.tolist() and min(rest.count) == 4
     np.testing.assert_allclose(rest_b.logprobs, rest.logprobs, atol=1e-5)
     # The token-wise products run over more rows in the shared call: rounding, grown to ~1e-5
     # in the KDA states after 8 steps.

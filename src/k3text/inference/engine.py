@@ -146,7 +146,7 @@ class Engine:
                                  donate_argnames=("pool",))
         self._release = jax.jit(release_program, donate_argnames=("pool",))
         self._decode_and_prefill = jax.jit(bound(decode_and_prefill_program, cfg, self.layout),
-                                           static_argnames=("top_n",),
+                                           static_argnames=("top_n", "n_steps"),
                                            donate_argnames=("pool", "prefix"))
         self._restore = jax.jit(prefix_cache.restore_program, donate_argnames=("state",))
         self._save = jax.jit(prefix_cache.save_program, donate_argnames=("store",))
@@ -365,33 +365,36 @@ class Engine:
         self._note_shape("generate", f"{pool.slots.tokens.shape[0]} slots x {n_steps} steps")
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             pool, out = self._generate(self._weights, pool, max_steps=n_steps, top_n=top_n)
-            ids, lps, top_ids, top_lps, count, active, steps = _to_host(out)
-        return pool, Tokens(ids, lps, top_ids, top_lps, count, active, int(steps))
+            return pool, _tokens(_to_host(out))
 
     def decode_and_prefill(self, pool: Pool, prefix: Prefix, tokens: np.ndarray,
                            valid: np.ndarray, start: int, slots: Sequence[int],
                            limits: Sequence[int], stop_ids: np.ndarray, params: SlotSampling,
-                           top_n: int = 0) -> tuple[Pool, Prefix, Tokens, Tokens]:
+                           top_n: int = 0, n_steps: int = 1,
+                           ) -> tuple[Pool, Prefix, Tokens, Tokens, Tokens | None]:
         """One decode step for every slot with a prefill chunk riding along in the same call
         (`prefill_chunk`'s arguments), then `insert` of the prefix rows given a slot (-1: none;
-        their prompts have not ended, or they are padding). `pool` and `prefix` are consumed.
-        Returns the pool, the prefix, the step's tokens as `generate` gives them (the slots
-        inserted were free during the step) and the inserted rows' first tokens."""
-        self._note_shape("decode + prefill", "{} slots + {} x {} tokens".format(
-            pool.slots.tokens.shape[0], *tokens.shape))
+        their prompts have not ended, or they are padding), then `n_steps` - 1 more decode
+        steps for every slot, as `generate` runs them. `pool` and `prefix` are consumed.
+        Returns the pool, the prefix, the first step's tokens as `generate` gives them (the
+        slots inserted were free during it), the inserted rows' first tokens, and the tokens of
+        the steps after it (None for `n_steps` 1)."""
+        self._note_shape("decode + prefill", "{} slots x {} steps + {} x {} tokens".format(
+            pool.slots.tokens.shape[0], n_steps, *tokens.shape))
         host = lambda a, dt: self._global(np.asarray(a, dt), ("batch",))  # noqa: E731
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
-            pool, prefix, out, first = self._decode_and_prefill(
+            pool, prefix, out, first, rest = self._decode_and_prefill(
                 self._weights, pool, prefix, self._global(tokens, ("batch", None)),
                 self._global(valid, ("batch", None)), jnp.int32(start), host(slots, np.int32),
                 host(limits, np.int32), self._global(np.asarray(stop_ids, np.int32),
                                                      ("batch", None)),
                 jax.tree.map(lambda a, ax: self._global(a, ax), params, SLOT_AXES.sampling),
-                top_n=top_n)
-            (ids, lps, top_ids, top_lps, count, active, steps), first = _to_host((out, first))
+                top_n=top_n, n_steps=n_steps)
+            out, first, rest = _to_host((out, first, rest))
         rows = prefix.logits.shape[0]
-        return (pool, prefix, Tokens(ids, lps, top_ids, top_lps, count, active, int(steps)),
-                Tokens(*first[:4], np.ones(rows, np.int32), first[4]))
+        step = _tokens(out)
+        first = Tokens(*first[:4], np.ones(rows, np.int32), first[4])
+        return pool, prefix, step, first, None if rest is None else _tokens(rest)
 
     def release(self, pool: Pool, slots: Sequence[int]) -> Pool:
         """Mark `slots` free (their state is left; the next `insert` overwrites all of it)."""
@@ -431,9 +434,9 @@ class Engine:
         """Compile (or load from the compilation cache) the programs `decode_batch` (or, with
         `serving`, a server's scheduler) runs for `batch` slots, by running them on nothing:
         one chunk of padding, inserted as padding rows, and a decode call with no active slot,
-        which stops before its first step; for a server also the decode step with each chunk
-        width riding along. Returns the seconds it took, so callers can report compile time
-        apart from throughput."""
+        which stops before its first step; for a server also the decode call with each chunk
+        width riding along (`serve_steps_per_call` steps). Returns the seconds it took, so
+        callers can report compile time apart from throughput."""
         cfg = self.cfg
         max_steps = cfg.max_decode_steps - 1 if max_steps is None else max_steps
         prefill_batch = prefill_batch or batch
@@ -454,10 +457,11 @@ class Engine:
         if serving:
             for width in (*self.buckets, cfg.prefill_chunk_size):
                 chunk = np.full((prefill_batch, width), cfg.pad_token_id, np.int32)
-                pool, prefix, _, _ = self.decode_and_prefill(
+                pool, prefix, *_ = self.decode_and_prefill(
                     pool, prefix, chunk, np.zeros(chunk.shape, bool), 0, [-1] * prefill_batch,
                     [1] * prefill_batch, np.tile(self.stop_ids(), (prefill_batch, 1)),
-                    sampling.config_sampling(cfg, prefill_batch), top_n)
+                    sampling.config_sampling(cfg, prefill_batch), top_n,
+                    cfg.serve_steps_per_call)
         return time.perf_counter() - t0
 
     def decode_batch(self, prompts: Sequence[Sequence[int]], batch: int | None = None,
@@ -592,7 +596,11 @@ def generate_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, max_st
     """Up to `max_steps` decode steps for every slot, ending early when none is active.
     Returns the pool and (tokens [S, max_steps], logprobs, top ids, top logprobs, tokens per
     slot, active after, steps run)."""
-    model = _merge(graphdef, params)
+    return _decode_loop(cfg, _merge(graphdef, params), pool, max_steps, top_n)
+
+
+def _decode_loop(cfg: Config, model: Decoder, pool: Pool, max_steps: int,
+                 top_n: int) -> tuple[Pool, tuple]:
     slots = pool.slots
 
     def cond(carry):
@@ -620,12 +628,14 @@ def decode_and_prefill_program(cfg: Config, graphdef: Any, params: Any, pool: Po
                                prefix: Prefix, tokens: jax.Array, valid: jax.Array,
                                start: jax.Array, slots: jax.Array, limit: jax.Array,
                                stop_ids: jax.Array, sampling_params: SlotSampling, top_n: int,
-                               ) -> tuple[Pool, Prefix, tuple, tuple]:
+                               n_steps: int) -> tuple[Pool, Prefix, tuple, tuple, tuple]:
     """One decode step for every slot with one prefill chunk riding along (`prefill_chunk_program`
     on `prefix`, through `Decoder.decode_and_prefill`), then prefix row i inserted into slot
-    `slots[i]` (`insert_program`; -1: not yet, or padding). Returns the pool, the prefix, the
-    step's outputs as `generate_program` gives them for one step (the inserted slots were free
-    during it), and the insert's first tokens."""
+    `slots[i]` (`insert_program`; -1: not yet, or padding), then `n_steps` - 1 more decode steps
+    (`generate_program`'s loop, the inserted slots decoding too). Returns the pool, the prefix,
+    the first step's outputs as `generate_program` gives them for one step (the inserted slots
+    were free during it), the insert's first tokens, and the outputs of the steps after it (or
+    None for `n_steps` 1)."""
     model = _merge(graphdef, params)
     s = pool.slots
     logits, state, chunk_logits, prefix_state = model.decode_and_prefill(
@@ -636,8 +646,11 @@ def decode_and_prefill_program(cfg: Config, graphdef: Any, params: Any, pool: Po
     ends_here = jnp.any(valid, axis=1)
     prefix = Prefix(jnp.where(ends_here[:, None], chunk_logits, prefix.logits), prefix_state)
     pool, first = insert_program(pool, prefix, slots, limit, stop_ids, sampling_params, top_n)
+    rest = None
+    if n_steps > 1:  # in the same call: one dispatch per scheduler iteration, not two
+        pool, rest = _decode_loop(cfg, model, pool, n_steps - 1, top_n)
     return pool, prefix, (out, lps, top_ids, top_lps, produced - s.produced, active, steps), \
-        first
+        first, rest
 
 
 def _first_carry(cfg: Config, slots: Slots, state: DecodeState, max_steps: int,
@@ -702,6 +715,12 @@ def pool_axes(cfg: Config) -> Pool:
 def _pool_state_form(cfg: Config, shapes: DecodeState, axes: DecodeState,
                      ) -> tuple[DecodeState, DecodeState]:
     return (shapes, axes) if cfg.scan_layers else per_layer_form(shapes, axes)
+
+
+def _tokens(out: tuple) -> Tokens:
+    """A decode loop's host outputs (`generate_program`'s tuple) as Tokens."""
+    ids, lps, top_ids, top_lps, count, active, steps = out
+    return Tokens(ids, lps, top_ids, top_lps, count, active, int(steps))
 
 
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:

@@ -2,10 +2,11 @@
 
 One thread owns the engine and the pool and loops over iterations:
 1. requests cancelled (client gone, shutdown) leave the queue or free their slot;
-2. while any slot decodes, one decode step with the next prefill chunk riding along in the
-   same call (`Engine.decode_and_prefill`: the token-wise layers run once over both), which
-   also inserts the rows whose prompts that chunk ends, then one `generate` call of
-   `serve_steps_per_call` steps for every slot;
+2. while any slot decodes, one decode call of `serve_steps_per_call` steps for every slot:
+   while a group is being prefilled, its next chunk rides the first step
+   (`Engine.decode_and_prefill`: the token-wise layers run once over both) and the rows whose
+   prompts that chunk ends are inserted after it, decoding in the steps after; otherwise
+   `generate`;
 3. prefill under a token budget (`serve_prefill_token_budget`, the riding chunk included; at
    least one call when nothing decodes; a group's last call at the narrowest of
    `prefill_buckets` that holds what is left of its prompts): the request being prefilled
@@ -446,12 +447,14 @@ class Scheduler:
             self._deliver(r, first, i)
 
     def _decode(self) -> int:
-        """The iteration's decode calls: one step with the next prefill chunk riding along when
-        a group is waiting (`_decode_with_chunk`), then `serve_steps_per_call` steps. Returns
-        the prompt tokens that rode."""
-        spent = self._decode_with_chunk()
-        if not self._decoding:
-            return spent
+        """The iteration's decode call: `serve_steps_per_call` steps for every slot, the first
+        with the next prefill chunk riding along when a group is waiting
+        (`_decode_with_chunk`). Returns the prompt tokens that rode."""
+        if self._prefill is None:
+            self._prefill = self._start_prefill()
+        job = self._prefill
+        if job is not None and not job.slices:
+            return self._decode_with_chunk(job)
         began = time.perf_counter()
         try:
             self._pool, out = self.engine.generate(self._pool, self.cfg.serve_steps_per_call,
@@ -459,23 +462,15 @@ class Scheduler:
         except Exception:
             log.exception("decode call failed")
             self._fail_all("internal error during decoding")
-            return
-        self.metrics.decode_seconds.inc(time.perf_counter() - began)
-        self.metrics.decode_steps.inc(out.steps)
-        for slot, r in list(self._decoding.items()):
-            if not r.done:
-                self._deliver(r, out, slot)
-        return spent
-
-    def _decode_with_chunk(self) -> int:
-        """One decode step for every slot with the next chunk of the group being prefilled (or
-        of a new one) in the same call; the rows whose prompts it ends are inserted by the
-        same call. Returns the prompt tokens it ran (0: no group, or a context-parallel one)."""
-        if self._prefill is None:
-            self._prefill = self._start_prefill()
-        job = self._prefill
-        if job is None or job.slices:
             return 0
+        self.metrics.decode_seconds.inc(time.perf_counter() - began)
+        self._delivered(out, list(self._decoding.items()))
+        return 0
+
+    def _decode_with_chunk(self, job: _Prefill) -> int:
+        """`serve_steps_per_call` decode steps for every slot in one call, the first with the
+        next chunk of `job` riding along; the rows whose prompts it ends are inserted after
+        that step and decode in the steps after it. Returns the prompt tokens it ran."""
         width = self.engine.chunk_width(max(len(r.prompt_ids) for r in job.live) - job.start)
         ready = self._ready_rows(job, job.start + width)
         if any(job.rows[i].slot in self._to_release for i in ready):
@@ -485,9 +480,9 @@ class Scheduler:
         part, cost = slice(job.start, job.start + width), width * len(job.live)
         began = time.perf_counter()
         try:
-            self._pool, job.prefix, out, first = self.engine.decode_and_prefill(
+            self._pool, job.prefix, out, first, rest = self.engine.decode_and_prefill(
                 self._pool, job.prefix, job.tokens[:, part], job.valid[:, part], job.start,
-                *self._insert_args(job, ready), self.top_n)
+                *self._insert_args(job, ready), self.top_n, self.cfg.serve_steps_per_call)
         except Exception:  # the pool and the prefix were donated to the call
             log.exception("decode call with a prefill chunk failed")
             self._fail_all("internal error during decoding")
@@ -495,17 +490,24 @@ class Scheduler:
         # One call, both kinds of work: its time counts as decoding (the prefill counter keeps
         # the separate prefill calls).
         self.metrics.decode_seconds.inc(time.perf_counter() - began)
-        self.metrics.decode_steps.inc(out.steps)
         decoding = list(self._decoding.items())  # before the insert's rows join
         job.start += width
         self._cache_blocks(job)
+        self._delivered(out, decoding)
         self._inserted(job, ready, first)
-        for slot, r in decoding:
-            if not r.done:
-                self._deliver(r, out, slot)
+        if rest is not None:
+            self._delivered(rest, list(self._decoding.items()))
         if not job.live:
             self._prefill = None
         return cost
+
+    def _delivered(self, out: Tokens, decoding: list[tuple[int, Request]]) -> None:
+        """A decode call's tokens to the requests `decoding` (slot, request) that are still
+        running."""
+        self.metrics.decode_steps.inc(out.steps)
+        for slot, r in decoding:
+            if not r.done:
+                self._deliver(r, out, slot)
 
     def _deliver(self, r: Request, out: Tokens, row: int) -> None:
         """Send row `row` of `out` to `r`, and end `r` if it finished."""
