@@ -95,6 +95,7 @@ def machine(**extra: Any) -> dict[str, Any]:
         "jaxlib": jaxlib.__version__,
         "flax": flax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),  # e.g. jemalloc (README: serving)
         "commit": _commit(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         **extra,
@@ -104,8 +105,10 @@ def machine(**extra: Any) -> dict[str, Any]:
 def machine_line(m: Mapping[str, Any]) -> str:
     """One line for plot footers and printed reports."""
     fake = " (fake CPU devices)" if m["fake_cpu_devices"] else ""
+    preload = f" | preloaded {Path(m['ld_preload']).name}" if m.get("ld_preload") else ""
     return (f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB | {m['backend']} x "
-            f"{m['devices']}{fake} | jax {m['jax']} / jaxlib {m['jaxlib']} | {m['date']}")
+            f"{m['devices']}{fake} | jax {m['jax']} / jaxlib {m['jaxlib']}{preload} | "
+            f"{m['date']}")
 
 
 def rss_mib() -> float | None:
