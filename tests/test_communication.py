@@ -115,8 +115,9 @@ def test_gather_features_is_exact_and_merges_pieces_on_the_same_axes(features):
 @pytest.mark.parametrize("config", CPU8)
 def test_serving_programs_move_only_activations(config):
     """The server's programs at the configured slot count move activations only: `insert`
-    gathers nothing but the prefix logits it samples from, and a `generate` step adds one
-    collective to the decode step's: the logits gathered for sampling (never the LM head)."""
+    gathers nothing but the prefix logits it samples from, a `generate` step adds one
+    collective to the decode step's: the logits gathered for sampling (never the LM head), and
+    the call with a prefill chunk riding its first step moves no parameter either."""
     cfg = load_config(ROOT / "configs/inference" / config)
     ctx = mesh_context(cfg)
     with sharding.use_mesh(ctx.mesh, ctx.rules):
@@ -131,3 +132,4 @@ def test_serving_programs_move_only_activations(config):
         assert not report.moving_parameters(), (name, report.moving_parameters()[:3])
     assert reports["serve insert"].count <= 1
     assert reports["serve generate"].count == reports["decode step"].count + 1
+    assert reports["serve decode + prefill"].count > reports["serve generate"].count

@@ -9,8 +9,10 @@ bytes per device, the ten largest, and a `!!` line for any that moves a paramete
 
 `--serving` adds the server's programs at the configured slot count (a prefill chunk into a
 `serve_prefill_batch`-row prefix, its insert into the pool, one `generate` call of
-`serve_steps_per_call` steps). With `prefill_context_parallelism` > 1 it also compiles one
-context-parallel prefill call (that many chunks of one sequence, one per row). `--tpu` also
+`serve_steps_per_call` steps, and the call the scheduler runs while a group is being prefilled:
+those steps with that chunk riding the first and its rows inserted after it). With
+`prefill_context_parallelism` > 1 it also compiles one context-parallel prefill call (that many
+chunks of one sequence, one per row). `--tpu` also
 lowers every program for TPU (`jax.export`, platforms=["tpu"]) from this machine, so nothing
 CPU-only hides in the production path: under an abstract mesh of TPU v7x devices, so `auto`
 implementations pick what a TPU runs (tokamax's Mosaic KDA kernels), and it prints how many
@@ -119,7 +121,9 @@ def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
                      ) -> dict[str, tuple[Any, tuple]]:
     """{name: (jitted function, abstract args)} for the server's programs at the configured
     slot count: a prefill chunk into a `serve_prefill_batch`-row prefix, inserting that prefix
-    into the pool, and one `generate` call of `serve_steps_per_call` steps over every slot."""
+    into the pool, one `generate` call of `serve_steps_per_call` steps over every slot, and
+    `decode_and_prefill` (those steps with a whole chunk of the prefix riding the first, its
+    rows inserted after it): the call the scheduler makes while a group is being prefilled."""
     import functools
 
     import jax
@@ -147,6 +151,9 @@ def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
     params = inputs["params"]
     graphdef = inputs["graphdef"]
     steps, top_n = cfg.serve_steps_per_call, cfg.serve_max_logprobs
+    insert_args = (row(jnp.int32), row(jnp.int32), row(jnp.int32, engine.MAX_STOP_IDS),
+                   SlotSampling(row(jnp.float32), row(jnp.int32), row(jnp.float32),
+                                row(jnp.uint32, 2)))
     return {
         "serve prefill": (jax.jit(functools.partial(engine.prefill_chunk_program, graphdef),
                                   donate_argnums=3),
@@ -154,14 +161,16 @@ def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
                            inputs["start"])),
         "serve insert": (jax.jit(functools.partial(engine.insert_program, top_n=top_n),
                                  donate_argnums=0),
-                         (pool, prefix, row(jnp.int32), row(jnp.int32),
-                          row(jnp.int32, engine.MAX_STOP_IDS),
-                          SlotSampling(row(jnp.float32), row(jnp.int32), row(jnp.float32),
-                                       row(jnp.uint32, 2)))),
+                         (pool, prefix, *insert_args)),
         "serve generate": (jax.jit(functools.partial(engine.generate_program, cfg, graphdef,
                                                      max_steps=steps, top_n=top_n),
                                    donate_argnums=1),
                            (params, pool)),
+        "serve decode + prefill": (
+            jax.jit(functools.partial(engine.decode_and_prefill_program, cfg, graphdef,
+                                      top_n=top_n, n_steps=steps), donate_argnums=(1, 2)),
+            (params, pool, prefix, row(jnp.int32, chunk), row(jnp.bool_, chunk),
+             inputs["start"], *insert_args)),
     }
 
 
@@ -244,18 +253,18 @@ def check(cfg: Config, tpu: bool = False, serving: bool = False,
                        "parameter_collectives": sum(c.per_call
                                                     for c in report.moving_parameters())}
             results[name] = figures
-            print(f"{name:14s} argument {figures['argument']:8.2f}  temp "
+            print(f"{name:22s} argument {figures['argument']:8.2f}  temp "
                   f"{figures['temp']:8.2f}  output {figures['output']:8.2f}  aliased "
                   f"{figures['alias']:8.2f} GiB/device  (lower+compile {seconds:.1f} s)",
                   file=out)
             results[name]["report"] = report
-            for line in collectives.describe(report, indent=" " * 15,
+            for line in collectives.describe(report, indent=" " * 23,
                                              layers=cfg.num_hidden_layers):
                 print(line, file=out)
             if tpu:
                 module = export_for_tpu(fn, args, mesh)
                 results[name]["tpu_kernels"] = module.count("tpu_custom_call")
-                print(f"{'':14s} lowers for TPU: {len(module) / 1e6:.1f} MB of StableHLO, "
+                print(f"{'':22s} lowers for TPU: {len(module) / 1e6:.1f} MB of StableHLO, "
                       f"{results[name]['tpu_kernels']} Mosaic kernel calls", file=out)
     return results
 
