@@ -13,10 +13,11 @@ bytes per device, the ten largest, and a `!!` line for any that moves a paramete
 those steps with that chunk riding the first and its rows inserted after it). With
 `prefill_context_parallelism` > 1 it also compiles one context-parallel prefill call (that many
 chunks of one sequence, one per row). `--tpu` also lowers every program for TPU (`jax.export`,
-platforms=["tpu"]) from this machine, so nothing CPU-only hides in the production path: under an abstract mesh of TPU v7x devices, so `auto`
-implementations pick what a TPU runs (tokamax's Mosaic KDA kernels), and it prints how many
-Mosaic kernel calls each program holds. Weight and state bytes are also computed from the real
-shardings (shard shape x itemsize), which is what `argument` should match.
+platforms=["tpu"]) from this machine, so nothing CPU-only hides in the production path: under
+an abstract mesh of TPU v7x devices, so `auto` implementations pick what a TPU runs (tokamax's
+Mosaic KDA kernels), and it prints how many Mosaic kernel calls each program holds. Weight and
+state bytes are also computed from the real shardings (shard shape x itemsize), which is what
+`argument` should match.
 """
 
 from __future__ import annotations
