@@ -368,8 +368,8 @@ def kda_flops(form: str, b: int, t: int, chunk: int = 64) -> float | None:
     while blocks:  # each split: q and k rows against keys, and T2 L21 T1
         macs += blocks * (2 * width * width * k + 2 * width**3)
         width, blocks = 2 * width, blocks // 2
-    macs += chunk * chunk * (k + v)  # U and W from the inverse
-    macs += 3 * chunk * k * v + chunk * chunk * v  # W S, (q Gamma) S, k^T u; A_qk U
+    macs += 2 * chunk * chunk * (k + v)  # [W | U] from the inverse, A_qk [W | U]
+    macs += 3 * chunk * k * v  # the hand-off: [W; q Gamma - A_qk W] S, k^T u
     return 2.0 * macs * -(-t // chunk) * heads
 
 

@@ -25,14 +25,21 @@ with ``A_xk[i, j] = sum_d x_i[d] k_j[d] exp(G_i[d] - G_j[d])`` for ``j <= i``. E
   exponential.
 - **The inverse by the same halving:** ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)...`` on the
   leaves (``N`` is nilpotent), then ``[[T1, 0], [-T2 L21 T1, T2]]`` at each split.
-- ``U`` and the state weights ``W = T diag(beta) (K * Gamma)`` by one product each with ``T``.
+- ``[W | U] = T diag(beta) [K * Gamma | V]`` by one product with ``T`` (``W`` the state
+  weights), and ``A_qk [W | U]`` by one more: ``o = (q * Gamma) S0 + A_qk (U - W S0)`` is
+  ``(q * Gamma - A_qk W) S0 + A_qk U``, so everything in the output but one product with ``S0``
+  is the chunk's own work.
 
-The chunks are walked ``chunks_per_step`` at a time (a ``lax.scan``): each step computes those
-chunks' own work together, then hands the state from chunk to chunk (``u = U - W S0``,
-``o = (q * Gamma) S0 + A_qk u``, ``S = diag(Gamma_C) S0 + (K * exp(G_C - G))^T u``). Doing the
-chunk work inside the loop keeps a few chunks' intermediates in cache; computed for the whole
-sequence up front, every elementwise step of it is a pass through memory, and those passes
-cost more than the products.
+The chunks are walked ``chunks_per_step`` at a time (a loop): each step computes those chunks'
+own work together, then hands the state from chunk to chunk with two products each:
+``[W; q * Gamma - A_qk W] S0`` (both reads of the state in one product) gives ``u = U - W S0``
+and ``o``, and ``S = diag(Gamma_C) S0 + (K * exp(G_C - G))^T u``, the keys kept transposed so
+the product is in the library's plain form. Doing the chunk work inside the loop keeps a few
+chunks' intermediates in cache; computed for the whole sequence up front, every elementwise
+step of it is a pass through memory, and those passes cost more than the products. For the same
+reason the loop reads each step's tokens straight out of the ``[B, T, H, K]`` inputs and writes
+its outputs in place: a reordered copy of the whole sequence is a buffer XLA:CPU allocates, and
+the operating system zero-fills page by page, on every call.
 
 Cumulative decays are formed per leaf and offset per leaf, so the differences that become
 exponents are differences of small numbers, which keeps their rounding error small.
@@ -59,11 +66,10 @@ PAIRWISE_LEAF = 8  # leaf length with an unbounded gate: [8, 8, K] pairwise deca
 
 class _ChunkTerms(NamedTuple):
     """A chunk's own work, leading dims ``[..., B, H]``."""
-    a_qk: jax.Array  # [..., C, C] lower triangular (diagonal included)
-    u_local: jax.Array  # [..., C, V]: T diag(beta) V
-    w: jax.Array  # [..., C, K]: T diag(beta) (K * Gamma)
-    q_decayed: jax.Array  # [..., C, K]: q * Gamma
-    k_to_end: jax.Array  # [..., C, K]: k * exp(G_C - G)
+    reads: jax.Array  # [..., 2C, K]: [W; q * Gamma - A_qk W], what multiplies S0
+    u_local: jax.Array  # [..., C, V]: U = T diag(beta) V
+    o_local: jax.Array  # [..., C, V]: A_qk U
+    keys_to_end: jax.Array  # [..., K, C]: (k * exp(G_C - G))^T
     decay: jax.Array  # [..., K]: Gamma_C
 
 
@@ -123,14 +129,16 @@ def _chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: j
         middle = local[..., s // 2 - 1 : s // 2, :]
         from_middle = jnp.exp(local - middle)
         keys = k * jnp.exp(middle - local)
-        diag_qk = _cross(q * from_middle, keys, precision)
-        diag_kk = _cross(k * from_middle, keys, precision)
+        # q's and k's rows against the same keys: one product.
+        both = _cross(jnp.concatenate([q * from_middle, k * from_middle], axis=-2), keys,
+                      precision)
     else:
         pairwise = jnp.exp(jnp.where(causal[..., None], local[..., :, None, :]
                                      - local[..., None, :, :], -jnp.inf))  # [..., M, S, S, K]
         keys = k[..., None, :, :] * pairwise
-        diag_qk = jnp.einsum("...id,...ijd->...ij", q, keys, precision=precision)
-        diag_kk = jnp.einsum("...id,...ijd->...ij", k, keys, precision=precision)
+        both = jnp.einsum("...id,...ijd->...ij", jnp.concatenate([q, k], axis=-2),
+                          jnp.concatenate([keys, keys], axis=-3), precision=precision)
+    diag_qk, diag_kk = both[..., :s, :], both[..., s:, :]
     diag_qk = jnp.where(causal, diag_qk, 0.0)
     diag_kk = jnp.where(jnp.tril(causal, -1), diag_kk, 0.0)
 
@@ -152,9 +160,11 @@ def _chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: j
                                - total_h[..., 0, :, :])[..., None, :]  # R - E_leaf
             queries_q, queries_k = queries_q * after_split, queries_k * after_split
             keys = keys * to_split
-        keys = flat(keys)
-        across_qk.append(_cross(flat(queries_q), keys, precision))
-        across_kk.append(_cross(flat(queries_k), keys, precision))
+        rows = queries_q.shape[-3] * s
+        both = _cross(jnp.concatenate([flat(queries_q), flat(queries_k)], axis=-2), flat(keys),
+                      precision)
+        across_qk.append(both[..., :rows, :])
+        across_kk.append(both[..., rows:, :])
 
     # Join the blocks pairwise, level by level, into [C, C]: A_qk, and T by its block inverse.
     a_qk, inverse = diag_qk, _unit_lower_inverse(beta[..., None] * diag_kk, precision)
@@ -172,23 +182,28 @@ def _chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: j
     def whole(x: jax.Array) -> jax.Array:  # [..., M, S, D] -> [..., C, D]
         return x.reshape(*x.shape[:-3], m * s, x.shape[-1])
 
+    dk = q.shape[-1]
     to_leaf = jnp.exp(before)[..., None, :]  # exp(R_leaf), the decay before each leaf
     beta_col = whole(beta[..., None])
-    u_local = jnp.matmul(inverse, beta_col * whole(v), precision=precision)
-    w = jnp.matmul(inverse, beta_col * whole(k_from_start * to_leaf), precision=precision)
+    w_u = jnp.matmul(inverse, beta_col * jnp.concatenate(
+        [whole(k_from_start * to_leaf), whole(v)], axis=-1), precision=precision)
+    w, u_local = w_u[..., :dk], w_u[..., dk:]
+    a_w_u = jnp.matmul(a_qk, w_u, precision=precision)
+    reads = jnp.concatenate([w, whole(q_from_start * to_leaf) - a_w_u[..., :dk]], axis=-2)
     leaf_to_end = jnp.exp(chunk_total[..., None, :] - before - total)[..., None, :]
-    return _ChunkTerms(a_qk, u_local, w, whole(q_from_start * to_leaf),
-                       whole(k_to_leaf_end * leaf_to_end), jnp.exp(chunk_total))
+    keys_to_end = jnp.swapaxes(whole(k_to_leaf_end * leaf_to_end), -1, -2)
+    return _ChunkTerms(reads, u_local, a_w_u[..., dk:], keys_to_end, jnp.exp(chunk_total))
 
 
 def _hand_off(state: jax.Array, chunk: _ChunkTerms,
               precision: jax.lax.PrecisionLike) -> tuple[jax.Array, jax.Array]:
-    u = chunk.u_local - jnp.matmul(chunk.w, state, precision=precision)
-    o = jnp.matmul(chunk.q_decayed, state, precision=precision) + jnp.matmul(
-        chunk.a_qk, u, precision=precision)
-    state = chunk.decay[..., None] * state + jnp.einsum("...ck,...cv->...kv", chunk.k_to_end, u,
+    """One chunk's output and the state after it, from the state before it."""
+    c = chunk.u_local.shape[-2]
+    read = jnp.matmul(chunk.reads, state, precision=precision)  # [W S0; Q S0]
+    u = chunk.u_local - read[..., :c, :]
+    state = chunk.decay[..., None] * state + jnp.matmul(chunk.keys_to_end, u,
                                                         precision=precision)
-    return state, o
+    return state, read[..., c:, :] + chunk.o_local
 
 
 def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
@@ -199,9 +214,9 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     """Chunk-parallel KDA (see the module docstring); arguments and results as
     `reference.kda_recurrent`.
 
-    Any ``T`` is accepted: it is right-padded to whole steps of chunks with no-op tokens
-    (``k = v = beta = g = 0``) and the output sliced back; an input shorter than a chunk runs as
-    one chunk of the fewest leaves that hold it. ``gate_lower_bound``: a bound every
+    Any ``T`` is accepted: the loop reads whole steps of chunks in place, and a last partial
+    step is right-padded with no-op tokens (``k = v = beta = g = 0``); an input shorter than a
+    chunk runs as one chunk of the fewest leaves that hold it. ``gate_lower_bound``: a bound every
     ``g`` is known to respect (K3's ``gate_lower_bound``), which lets the diagonal leaves run as
     products; ``None`` for unbounded gates. ``sub_chunk_size``: the leaf length (default
     `PRODUCT_LEAF` when the bound allows products, else `PAIRWISE_LEAF`); ``chunk_size`` must be
@@ -224,27 +239,41 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     while m > 1 and (m // 2) * s >= t:  # a short input: one chunk just long enough, not padding
         m //= 2
     c = m * s
-    n = -(-t // c)
-    per_step = max(1, min(chunks_per_step, n))
-    steps = -(-n // per_step)
-    pad = steps * per_step * c - t
+    per_step = max(1, min(chunks_per_step, -(-t // c)))
+    span = per_step * c  # tokens per step of the loop
+    inputs = (q, k, v, g, beta)
 
-    def to_steps(a: jax.Array) -> jax.Array:  # [B, T, H, ...] -> [steps, per_step, B, H, M, S, ...]
-        a = jnp.pad(a.astype(_f32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        a = a.reshape(b, steps, per_step, m, s, *a.shape[2:])
-        return jnp.moveaxis(a, (1, 2, 5), (0, 1, 3))
+    def step(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        """``span`` tokens ``[B, span, H, ...]`` on from ``state`` -> (state, o ``[B, span, H,
+        V]``)."""
+        def leaves(a: jax.Array) -> jax.Array:  # -> [per_step, B, H, M, S, ...]
+            a = a.astype(_f32).reshape(b, per_step, m, s, *a.shape[2:])
+            return jnp.moveaxis(a, (1, 4), (0, 2))
 
-    def step(state, xs):
-        chunks = _chunk_terms(*xs, product_leaves=product_leaves, precision=precision)
+        chunks = _chunk_terms(*(leaves(x) for x in xs), product_leaves=product_leaves,
+                              precision=precision)
         outputs = []
         for i in range(per_step):
             state, o = _hand_off(state, _ChunkTerms(*(x[i] for x in chunks)), precision)
             outputs.append(o)
-        return state, jnp.stack(outputs)
+        o = jnp.stack(outputs, axis=1)  # [B, per_step, H, C, V]
+        return state, jnp.swapaxes(o, 2, 3).reshape(b, span, h, dv)
+
+    def body(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        state, out = carry
+        xs = tuple(jax.lax.dynamic_slice_in_dim(x, i * span, span, axis=1) for x in inputs)
+        state, o = step(state, xs)
+        return state, jax.lax.dynamic_update_slice_in_dim(out, o, i * span, axis=1)
 
     state = jnp.zeros((b, h, dk, dv), _f32) if initial_state is None else \
         initial_state.astype(_f32)
-    state, o = jax.lax.scan(step, state, tuple(to_steps(x) for x in (q, k, v, g, beta)))
-    # [steps, per_step, B, H, C, V] -> [B, T, H, V]
-    o = jnp.moveaxis(o, (0, 1, 3), (1, 2, 4)).reshape(b, steps * per_step * c, h, dv)
-    return o[:, :t], state
+    full, rest = divmod(t, span)
+    out = jnp.zeros((b, t, h, dv), _f32)
+    if full:
+        state, out = jax.lax.fori_loop(0, full, body, (state, out))
+    if rest:
+        xs = tuple(jnp.pad(x[:, full * span:], [(0, 0), (0, span - rest)]
+                           + [(0, 0)] * (x.ndim - 2)) for x in inputs)
+        state, o = step(state, xs)
+        out = jax.lax.dynamic_update_slice_in_dim(out, o[:, :rest], full * span, axis=1)
+    return out, state
