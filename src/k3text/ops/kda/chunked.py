@@ -62,6 +62,10 @@ _f32 = jnp.float32
 PRODUCT_LEAF_MAX_EXPONENT = 80.0
 PRODUCT_LEAF = 16  # leaf length with a bounded gate (16 x 5 = 80 for K3)
 PAIRWISE_LEAF = 8  # leaf length with an unbounded gate: [8, 8, K] pairwise decays per leaf
+# Chunk-heads (batch x heads x chunks) whose own work one step of the loop computes, unless
+# told otherwise: enough to batch the products, few enough that a step's intermediates stay in
+# cache and its buffers small (B=1, H=4: four chunks a step; B=8, H=4: one).
+STEP_CHUNK_HEADS = 16
 
 
 class _ChunkTerms(NamedTuple):
@@ -210,7 +214,7 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
                 initial_state: jax.Array | None = None, chunk_size: int = 64,
                 sub_chunk_size: int | None = None, gate_lower_bound: float | None = None,
                 precision: jax.lax.PrecisionLike = None,
-                chunks_per_step: int = 4) -> tuple[jax.Array, jax.Array]:
+                chunks_per_step: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Chunk-parallel KDA (see the module docstring); arguments and results as
     `reference.kda_recurrent`.
 
@@ -221,7 +225,8 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     products; ``None`` for unbounded gates. ``sub_chunk_size``: the leaf length (default
     `PRODUCT_LEAF` when the bound allows products, else `PAIRWISE_LEAF`); ``chunk_size`` must be
     a power-of-two multiple of it (or smaller, then one leaf per chunk). ``chunks_per_step``:
-    chunks whose own work is computed together in one step of the loop.
+    chunks whose own work is computed together in one step of the loop (default: about
+    `STEP_CHUNK_HEADS` chunk-heads a step).
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -239,6 +244,8 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     while m > 1 and (m // 2) * s >= t:  # a short input: one chunk just long enough, not padding
         m //= 2
     c = m * s
+    if chunks_per_step is None:
+        chunks_per_step = STEP_CHUNK_HEADS // (b * h)
     per_step = max(1, min(chunks_per_step, -(-t // c)))
     span = per_step * c  # tokens per step of the loop
     inputs = (q, k, v, g, beta)
