@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -347,7 +348,7 @@ def matmul_rate() -> float:
     return 2 * 2048**3 / seconds
 
 
-def kda_flops(form: str, b: int, t: int, chunk: int = 64) -> float | None:
+def kda_flops(form: str, b: int, t: int, chunk: int | None = None) -> float | None:
     """Floating-point operations a KDA form needs, counted from its algorithm (XLA's cost analysis
     does not count loop bodies, so it reports nearly nothing for a scan): the per-token
     recurrences about 7 K V per token and head (decay, k . S, the rank-1 write, q . S); k3text's
@@ -356,6 +357,7 @@ def kda_flops(form: str, b: int, t: int, chunk: int = 64) -> float | None:
     and the output). None for forms whose algorithm is not ours to count."""
     k = v = KDA_HEAD_DIM
     heads = b * KDA_HEADS
+    chunk = chunk or inspect.signature(kda.prefill).parameters["chunk_size"].default
     if form in ("recurrent", "tokamax_xla"):
         return 7.0 * k * v * t * heads
     if not form.startswith("chunked"):

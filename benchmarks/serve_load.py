@@ -61,7 +61,8 @@ from k3text.tools.tables import table
 FIELDS = ("mode", "round", "rate_rps", "concurrency", "requests", "output_tokens", "seconds",
           "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms",
           "tpot_p90_ms", "tpot_p99_ms", "server_ms_per_step", "decode_share", "prefill_share",
-          "slot_occupancy")
+          "slot_occupancy", "prefill_s", "decode_s", "ceiling", "prefill_steps_per_prompt",
+          "prefill_ceiling")
 # A 256-position cache: room for the long answers after a 64-token prompt.
 DEFAULT_OVERRIDES = ["per_device_batch_size=8", "max_target_length=256", "progress=false"]
 
@@ -364,6 +365,61 @@ class Offline:
                 "output_tokens_per_s": self.slots * (gen.decode_steps - 1) / gen.decode_seconds,
                 "tpot_p50_ms": per_step * 1e3}
 
+    def prefill_ceiling(self, steady: dict[str, Any]) -> dict[str, float]:
+        """What the workload's prompts cost beside its decode steps, and the saturation ratio
+        that leaves at best. The offline steady state only decodes; a server must also prefill
+        every prompt, and on a small model a prompt costs several decode steps. Each prompt's
+        chunks ride one-step decode calls on a full pool (as the server runs them), timed
+        against plain one-step calls on the same pool, interleaved; the decode work is the
+        workload's output tokens at the steady state's per-step time with every slot busy.
+        `ceiling`: decode / (decode + riding prefill), the saturation ratio with every slot
+        always busy and no cost but the work itself."""
+        from k3text.inference import sampling
+
+        engine, cfg, slots = self.engine, self.engine.cfg, self.slots
+        chunk = cfg.prefill_chunk_size
+        rows = max(1, min(cfg.serve_prefill_batch, slots))
+        stop = np.tile(engine.stop_ids(), (rows, 1))
+        params = sampling.config_sampling(cfg, rows, list(range(rows)))
+        fill = [r["prompt"] for r in self.requests[:slots]]
+
+        def busy_pool():  # every slot decoding, with room for the calls below
+            pool, _ = engine.insert(engine.new_pool(slots), engine.prefill(fill, slots),
+                                    list(range(slots)), [cfg.max_target_length] * slots,
+                                    np.tile(engine.stop_ids(), (slots, 1)),
+                                    sampling.config_sampling(cfg, slots, list(range(slots))))
+            return pool
+
+        riding = plain = 0.0
+        pool, calls = busy_pool(), 0
+        room = cfg.max_target_length - max(len(p) for p in fill) - 2
+        for request in self.requests:
+            prompt = request["prompt"]
+            tokens = np.full((rows, -(-len(prompt) // chunk) * chunk), cfg.pad_token_id,
+                             np.int32)
+            valid = np.zeros(tokens.shape, bool)
+            tokens[0, :len(prompt)], valid[0, :len(prompt)] = prompt, True
+            prefix, start = engine.new_prefix(rows), 0
+            while start < len(prompt):
+                if calls + 2 > room:
+                    pool, calls = busy_pool(), 0
+                width = engine.chunk_width(len(prompt) - start)
+                began = time.perf_counter()
+                pool, prefix, *_ = engine.decode_and_prefill(
+                    pool, prefix, tokens[:, start:start + width], valid[:, start:start + width],
+                    start, [-1] * rows, [1] * rows, stop, params)
+                middle = time.perf_counter()
+                pool, _ = engine.generate(pool, 1)
+                riding += middle - began
+                plain += time.perf_counter() - middle
+                start, calls = start + width, calls + 2
+        prefill = riding - plain
+        decode = sum(r["max_tokens"] for r in self.requests) / slots * \
+            steady["tpot_p50_ms"] / 1e3
+        return {"prefill_s": prefill, "decode_s": decode, "ceiling": decode / (decode + prefill),
+                "prefill_steps_per_prompt": prefill / len(self.requests)
+                / (steady["tpot_p50_ms"] / 1e3)}
+
     def static(self) -> dict[str, Any]:
         """The workload in static batches of the slot count, in arrival order (each batch runs
         until its longest request ends)."""
@@ -473,6 +529,10 @@ def main() -> None:
                 row["round"] = i + 1
             rows += [saturated, steady, static]
             rounds.append(ratios(saturated, steady, static))
+            ceiling = offline.prefill_ceiling(steady)
+            rounds[-1]["ceiling"] = ceiling["ceiling"]
+            saturated["prefill_ceiling"] = ceiling["ceiling"]
+            steady.update(ceiling)
             print(f"round {i + 1}: " + ", ".join(f"{k} {v:.2f}x" for k, v in rounds[-1].items()),
                   file=sys.stderr)
     finally:
@@ -502,6 +562,11 @@ def main() -> None:
              for k in ("decode_share", "prefill_share", "slot_occupancy")}
     print(f"median of {args.rounds} rounds:")
     print(f"saturation vs offline steady-state decode: {show('saturation')} (target >= 0.8)")
+    steadies = [r for r in rows if r["mode"] == "offline steady state"]
+    per_prompt = float(np.median([r["prefill_steps_per_prompt"] for r in steadies]))
+    print(f"  ceiling for this workload: {show('ceiling')}: its prompts, riding decode calls, "
+          f"cost {per_prompt:.2f} offline decode steps each; decode / (decode + prefill) with "
+          f"all {slots} slots busy every step and nothing else spent")
     print(f"TPOT p50, all slots busy, vs offline per step: {show('tpot')} (target <= 1.5)")
     print(f"the server's own decode step at saturation vs offline's: {show('server_step')}; "
           f"its time {share['decode_share']:.0%} in decode calls, {share['prefill_share']:.0%} "

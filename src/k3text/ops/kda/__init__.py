@@ -151,7 +151,7 @@ def prefill(
     *,
     implementation: str,
     initial_state: jax.Array | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
     gate_lower_bound: float | None = None,
     precision: jax.lax.PrecisionLike = None,
 ) -> tuple[jax.Array, jax.Array]:

@@ -122,17 +122,22 @@ def _chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: j
     total = local[..., -1, :]  # [..., M, K]: each leaf's decay
     before = jnp.cumsum(total, axis=-2) - total  # the decay of the chunk's earlier leaves
     chunk_total = before[..., -1, :] + total[..., -1, :]
-    from_start = jnp.exp(local)  # exp(G_i - R_leaf) <= 1
-    q_from_start, k_from_start = q * from_start, k * from_start
-    k_to_leaf_end = k * jnp.exp(total[..., None, :] - local)  # exp(E_leaf - G_j) <= 1
-
     causal = jnp.tril(jnp.ones((s, s), bool))
     if product_leaves:
-        # Factors straight from the differences: exp(G_i - R_leaf) may be tiny, and times a
-        # factor up to exp(S |lb| / 2) it would lose its digits.
+        # One exponential per element, about the leaf's middle: every factor below is built
+        # from it and a per-leaf vector, never passing through a value smaller than its own
+        # (exp(G_i - R_leaf) formed on its own may be tiny, and times a factor up to
+        # exp(S |lb| / 2) it would lose its digits).
         middle = local[..., s // 2 - 1 : s // 2, :]
-        from_middle = jnp.exp(local - middle)
-        keys = k * jnp.exp(middle - local)
+        from_middle = jnp.exp(local - middle)  # within exp(+-S |lb| / 2)
+        keys = k / from_middle
+        from_start = from_middle * jnp.exp(middle)  # exp(G_i - R_leaf) <= 1
+        k_to_leaf_end = keys * jnp.exp(total[..., None, :] - middle)  # exp(E_leaf - G_j) <= 1
+    else:
+        from_start = jnp.exp(local)
+        k_to_leaf_end = k * jnp.exp(total[..., None, :] - local)
+    q_from_start, k_from_start = q * from_start, k * from_start
+    if product_leaves:
         # q's and k's rows against the same keys: one product.
         both = _cross(jnp.concatenate([q * from_middle, k * from_middle], axis=-2), keys,
                       precision)
@@ -211,7 +216,7 @@ def _hand_off(state: jax.Array, chunk: _ChunkTerms,
 
 
 def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                initial_state: jax.Array | None = None, chunk_size: int = 64,
+                initial_state: jax.Array | None = None, chunk_size: int = 32,
                 sub_chunk_size: int | None = None, gate_lower_bound: float | None = None,
                 precision: jax.lax.PrecisionLike = None,
                 chunks_per_step: int | None = None) -> tuple[jax.Array, jax.Array]:
