@@ -390,16 +390,18 @@ class Offline:
                                     sampling.config_sampling(cfg, slots, list(range(slots))))
             return pool
 
-        riding = plain = 0.0
         pool, calls = busy_pool(), 0
         room = cfg.max_target_length - max(len(p) for p in fill) - 2
-        for request in self.requests:
-            prompt = request["prompt"]
+
+        def ride(prompt: list[int]) -> tuple[float, float]:
+            """Seconds of `prompt`'s chunks riding one-step decode calls, and of as many plain
+            one-step calls, interleaved."""
+            nonlocal pool, calls
             tokens = np.full((rows, -(-len(prompt) // chunk) * chunk), cfg.pad_token_id,
                              np.int32)
             valid = np.zeros(tokens.shape, bool)
             tokens[0, :len(prompt)], valid[0, :len(prompt)] = prompt, True
-            prefix, start = engine.new_prefix(rows), 0
+            prefix, start, riding, plain = engine.new_prefix(rows), 0, 0.0, 0.0
             while start < len(prompt):
                 if calls + 2 > room:
                     pool, calls = busy_pool(), 0
@@ -413,6 +415,12 @@ class Offline:
                 riding += middle - began
                 plain += time.perf_counter() - middle
                 start, calls = start + width, calls + 2
+            return riding, plain
+
+        for width in (*engine.buckets, chunk):  # compile every width's one-step programs
+            ride(fill[0][:1] * width)
+        riding, plain = (sum(t) for t in zip(*(ride(r["prompt"]) for r in self.requests),
+                                               strict=True))
         prefill = riding - plain
         decode = sum(r["max_tokens"] for r in self.requests) / slots * \
             steady["tpot_p50_ms"] / 1e3
