@@ -82,18 +82,18 @@ def test_weights_travel_as_few_buffers_and_come_back_exact(setup):
     for a, b in zip(leaves, back, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    big = [a for a in leaves if a.nbytes > weights.PACK_BYTES]
+    big = [a for a in leaves if a.nbytes > weights.CONSTANT_BYTES]
     assert big and all(any(a is w for w in engine._weights) for a in big)  # never copied
 
 
-def test_sharded_weights_are_never_packed():
+def test_sharded_weights_are_never_constants():
     cfg = tiny_config("k3-tiny", "ici_tensor_parallelism=2", "ici_expert_parallelism=2")
     engine = engine_for(cfg)
     for a, place in zip(jax.tree.leaves(engine.params), engine.layout.leaves, strict=True):
         if not a.sharding.is_fully_replicated:
             assert isinstance(place, int), a.shape
             assert engine._weights[place] is a
-    assert any(isinstance(p, weights.Packed) for p in engine.layout.leaves)
+    assert any(isinstance(p, np.ndarray) for p in engine.layout.leaves)
 
 
 def test_ragged_batch_equals_one_by_one(setup):

@@ -131,8 +131,9 @@ class Engine:
         self.graphdef, self.params = nnx.split(model)
         if not model.cfg.scan_layers:  # the model's config decides how its layers run
             self.params = split_for_unrolled(self.params, split_experts=ctx.size("exp") == 1)
-        # The programs take the parameters as a few flat buffers (`weights.py`): far cheaper to
-        # dispatch than the State's hundreds of Variables.
+        # The programs take the large parameters as flat buffers and hold the small ones as
+        # constants (`weights.py`): far cheaper to dispatch than the State's hundreds of
+        # Variables.
         self._weights, self.layout = weights.flatten(self.graphdef, self.params)
         bound = functools.partial
         self._prefill_chunk = jax.jit(bound(prefill_chunk_program, self.layout),
