@@ -51,9 +51,11 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
+        _quiet_from_here()
         return 130
     except _Terminated:
         print(f"{prog}: terminated", file=sys.stderr)
+        _quiet_from_here()
         return 128 + signal.SIGTERM
     finally:
         for signum, handler in previous.items():
@@ -63,8 +65,9 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
 
 
 def _quiet_from_here() -> None:
-    """The command ends on the error just printed. Work a library left pending (Orbax's other
-    reads after a damaged chunk) fails again in its threads and at exit, with tracebacks that
+    """The command ends on the error or signal just printed. Work a library left pending
+    (Orbax's other reads after a damaged chunk, an event loop a signal cut short and the
+    collector finalises at exit) fails again in its threads and at exit, with tracebacks that
     add nothing: from here on the process drops unraisable and thread errors, and, when
     sys.stderr is the process's own, all further stderr output. Only the way out of a
     command's `main` calls this; a caller that redirected sys.stderr keeps its stream."""
