@@ -40,8 +40,9 @@ Sections (all by default):
 
 - ttft: time to first token at a 2,048-token prompt for the shipped model (configs/inference/
   cpu.yml) and the tiny Kimi Linear, per KDA prefill form on the same weights: the chunked
-  form as it was before `k3text.ops.kda` (`old`) and the first matmul form (`previous`), both
-  read from git (EARLIER_KDA), this tree's chunked form and the per-token recurrence.
+  form as it was before `k3text.ops.kda` (`old`), the first matmul form (`previous`) and the
+  halving form whose loop still read reordered copies of the sequence (`halving`), all read
+  from git (EARLIER_KDA), this tree's chunked form and the per-token recurrence.
 
 Pairs are measured interleaved (one call of each per round, after one warm-up call each), so
 load from other processes hits both sides of a ratio alike. torch runs with one thread unless
@@ -501,8 +502,9 @@ def loop_section(quick: bool) -> list[Row]:
 # `previous`, the first matmul form (16-token sub-chunks, every chunk's own work computed for the
 # whole sequence before the hand-off scan).
 EARLIER_KDA = {"old": ("665a2be", "src/k3text/ops/kda.py"),
-               "previous": ("c3c0685", "src/k3text/ops/kda/chunked.py")}
-TTFT_FORMS = ("old", "previous", "chunked", "recurrent")
+               "previous": ("c3c0685", "src/k3text/ops/kda/chunked.py"),
+               "halving": ("0d0b2b2", "src/k3text/ops/kda/chunked.py")}
+TTFT_FORMS = ("old", "previous", "halving", "chunked", "recurrent")
 TTFT_PROMPT = 2048
 
 
@@ -576,10 +578,10 @@ def ttft_section(quick: bool) -> list[Row]:
                          "speedup_vs_old": base * 1e3 / ms})
     by = {(r["model"], r["kda_prefill"]): r for r in rows}
     print(table(["model", "prompt", *(f"{n} ms" for n in TTFT_FORMS),
-                 *(f"old / {n}" for n in TTFT_FORMS[1:]), "previous / chunked"],
+                 *(f"old / {n}" for n in TTFT_FORMS[1:]), "halving / chunked"],
                 [[m, str(prompt_len), *(f"{by[m, n]['ttft_ms']:.0f}" for n in TTFT_FORMS),
                   *(f"{by[m, n]['speedup_vs_old']:.2f}x" for n in TTFT_FORMS[1:]),
-                  ratio(by[m, "previous"]["ttft_ms"], by[m, "chunked"]["ttft_ms"])]
+                  ratio(by[m, "halving"]["ttft_ms"], by[m, "chunked"]["ttft_ms"])]
                  for m in ("shipped", "kimi-linear-tiny")],
                 title=f"(e) time to first token (prefill of one {prompt_len}-token prompt in "
                       f"64-token chunks, batch 1) per KDA prefill form, median of "
