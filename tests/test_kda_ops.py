@@ -232,11 +232,11 @@ def test_chunked_pads_a_last_partial_step_of_chunks_with_no_ops():
     (partly filled) and three of padding, which must leave the state and outputs untouched."""
     (q, k, v, g, beta), s0 = harness_inputs(300, jnp.float32, seed=5)
     o_ref, s_ref = reference_f64(q, k, v, g, beta, s0)
-    form = _jit(kda_chunked, static_argnames=("gate_lower_bound", "chunks_per_step",
-                                              "precision"))
+    form = _jit(kda_chunked, static_argnames=("chunk_size", "gate_lower_bound",
+                                              "chunks_per_step", "precision"))
     for bound, rows in ((None, [0, 1, 2, 3]), (K3_BOUND, [0, 2, 3])):
-        o, s = form(q, k, v, g, beta, s0, gate_lower_bound=bound, chunks_per_step=4,
-                    precision=HIGHEST)
+        o, s = form(q, k, v, g, beta, s0, chunk_size=64, gate_lower_bound=bound,
+                    chunks_per_step=4, precision=HIGHEST)
         np.testing.assert_allclose(np.asarray(o)[rows], o_ref[rows], rtol=5e-5, atol=5e-5)
         np.testing.assert_allclose(np.asarray(s)[rows], s_ref[rows], rtol=5e-5, atol=5e-5)
 
@@ -541,3 +541,21 @@ def test_auto_decode_step_is_tokamax_on_tpu_only():
     assert kda.resolve_decode("auto", "cpu") == "xla"
     with pytest.raises(ValueError, match="unknown KDA decode implementation"):
         kda.resolve_decode("pallas")
+
+
+def test_chunked_temporaries_do_not_grow_with_the_sequence():
+    """The loop reads each step's tokens out of the inputs and writes its outputs in place: a
+    4x longer sequence needs no more temporary memory (XLA:CPU allocates temporaries on every
+    call, and the kernel zero-fills them page by page; a reordered copy of the sequence once
+    cost as much system time as the arithmetic). The compiler's own figures, 1 x T x 4 x 128."""
+    def temp_bytes(t):
+        shape = jax.ShapeDtypeStruct((1, t, 4, 128), jnp.float32)
+        args = (shape,) * 4 + (jax.ShapeDtypeStruct((1, t, 4), jnp.float32),)
+        compiled = jax.jit(functools.partial(kda_chunked, gate_lower_bound=K3_BOUND)).lower(
+            *args).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    short, long = temp_bytes(1024), temp_bytes(4096)
+    sequence = 4096 * 4 * 128 * 4  # one [1, 4096, 4, 128] float32 array: 8 MiB
+    assert long <= short + 1024 * 1024, (short, long)
+    assert long < sequence, long
