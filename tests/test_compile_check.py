@@ -33,18 +33,41 @@ def test_whole_model_lowers_for_tpu_with_tokamax_kernels(mode, transport):
                 assert ("ragged_all_to_all" in text) == (mode == "all_to_all"), name
 
 
+def test_mxfp4_experts_lower_for_tpu_through_tokamax_grouped_matmul():
+    """Experts wide enough for its 128-wide tiles run through tokamax's Pallas TPU grouped matmul
+    (gate_up and down: two kernel calls, once in the scanned layer group), the packed MXFP4
+    bytes handed to it as float4 values and scales; a forced `grouped` leaves none."""
+    wide = ["moe_intermediate_size=128", "routed_expert_hidden_size=128",
+            "expert_weight_format=mxfp4", "ici_tensor_parallelism=2", "ici_expert_parallelism=4"]
+    for forms, kernels in (([], 2), (["moe_expert_implementation=grouped"], 0)):
+        cfg = tiny_config("k3-tiny", *wide, *forms)
+        ctx = mesh_context(cfg)
+        with sharding.use_mesh(ctx.mesh, ctx.rules):
+            for name, (fn, args) in compile_check.programs(
+                    compile_check.abstract_inputs(cfg, ctx)).items():
+                text = compile_check.export_for_tpu(fn, args, ctx.mesh)
+                assert text.count('kernel_name = "pallas_tpu_ragged_dot_gmm"') == kernels, name
+                assert ("f4E2M1FN" in text) == bool(kernels), name
+
+
 @pytest.mark.slow
 def test_v7x16_full_size_compile_check():
     """Full K3 on 32 fake devices: compiled per-device bytes and collectives, and both programs
     lowered for TPU with the implementations a TPU runs, carrying tokamax's Mosaic KDA kernels
-    (the decode step's fused conv + delta rule, the prefill chunk's chunked kernel)."""
+    (the decode step's fused conv + delta rule, the prefill chunk's chunked kernel) and, in the
+    prefill chunk, its grouped matmul over the MXFP4 experts."""
     result = subprocess.run(
         [sys.executable, "-m", "k3text.tools.compile_check",
          str(ROOT / "configs/inference/v7x16.yml"), "--tpu"],
         capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert len(re.findall(r"lowers for TPU: [\d.]+ MB of StableHLO, 2 Mosaic kernel calls",
-                          result.stdout)) == 2, result.stdout
+    (decode_kernels, decode_names), (prefill_kernels, prefill_names) = re.findall(
+        r"lowers for TPU: [\d.]+ MB of StableHLO, (\d+) Mosaic kernel calls \((.*)\)",
+        result.stdout)
+    # Batch-1 decode routes 16 slots to 28 held experts: the hit-experts loop, no grouped matmul.
+    assert decode_kernels == "2" and "gmm" not in decode_names, result.stdout
+    assert prefill_kernels == "4" and "2 x pallas_tpu_ragged_dot_gmm" in prefill_names, \
+        result.stdout
     weights = float(re.search(r"weights ([\d.]+) GiB/device", result.stdout)[1])
     # The report's serving stack measured 45.43 GiB with the low-rank down projections split
     # too; k3text keeps them whole (+0.75 GiB) so their outputs need no all-reduce.

@@ -1,8 +1,9 @@
 """Every routed-expert kernel of `k3text.ops.experts` (grouped, gathered, reference; experts
 stacked inside a layer stack or split per expert) against the routed weighted sum computed
 independently in float64 numpy, on the same small cases: BF16 and MXFP4 experts, k = 1 and
-k > 1, slots routed to experts held elsewhere. Then the `auto` rule and the config key that
-picks a kernel for the MoE layer."""
+k > 1, slots routed to experts held elsewhere; tokamax's TPU grouped matmul on the same kind
+of cases at its smallest tiles, in Pallas's TPU interpreter. Then the `auto` rule and the config
+key that picks a kernel for the MoE layer."""
 
 import functools
 import logging
@@ -12,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from tokamax.config import cross_compile
 
 from k3text.config import ConfigError
 from k3text.layers import moe as moe_module
@@ -23,6 +26,7 @@ from k3text.ops.experts import ExpertFFN, LayerExperts
 from helpers import tiny_config
 
 TOKENS, HIDDEN, WIDTH, HELD = 5, 64, 32, 4  # MXFP4 packs 32-element blocks along `in`
+XLA_KERNELS = [name for name in experts.IMPLEMENTATIONS if name != "tokamax_mosaic"]
 FFN = ExpertFFN(lambda gate, up: jax.nn.silu(gate) * up, jnp.float32,
                 jax.lax.Precision.HIGHEST)
 
@@ -36,9 +40,10 @@ def np_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return values * np.repeat(2.0 ** (scale.astype(np.float64) - 127), 32, axis=-1)
 
 
-def random_experts(fmt: str, rng: np.random.Generator) -> tuple[dict, np.ndarray, np.ndarray]:
+def random_experts(fmt: str, rng: np.random.Generator, hidden: int = HIDDEN, width: int = WIDTH,
+                   ) -> tuple[dict, np.ndarray, np.ndarray]:
     """One layer's experts in storage form and as float64 (gate_up [E, 2I, D], down [E, D, I])."""
-    shapes = {"gate_up": (HELD, 2 * WIDTH, HIDDEN), "down": (HELD, HIDDEN, WIDTH)}
+    shapes = {"gate_up": (HELD, 2 * width, hidden), "down": (HELD, hidden, width)}
     arrays, dense = {}, {}
     for name, shape in shapes.items():
         if fmt == "bf16":
@@ -57,12 +62,13 @@ def random_experts(fmt: str, rng: np.random.Generator) -> tuple[dict, np.ndarray
 def np_routed(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, gate_up: np.ndarray,
               down: np.ndarray) -> np.ndarray:
     """Σ_k weight · down[e] @ (silu(gate) * up) of gate_up[e] @ x, over the slots held here."""
+    width = down.shape[-1]
     out = np.zeros_like(x)
     for n, (row, token_weights, token_ids) in enumerate(zip(x, weights, ids, strict=True)):
         for w, e in zip(token_weights, token_ids, strict=True):
             if 0 <= e < len(gate_up):
                 h = gate_up[e] @ row
-                gate, up = h[:WIDTH], h[WIDTH:]
+                gate, up = h[:width], h[width:]
                 out[n] += w * (down[e] @ (gate / (1 + np.exp(-gate)) * up))
     return out
 
@@ -90,7 +96,7 @@ def case(request):
 
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("layout", ["stacked", "split"])
-@pytest.mark.parametrize("implementation", experts.IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", XLA_KERNELS)
 def test_kernel_matches_float64_sum(case, implementation, layout, k):
     held, gate_up, down, x, rng = case
     # Ids in [-2, HELD + 2): some slots belong to experts held by other devices.
@@ -122,13 +128,55 @@ def test_gathered_with_every_expert_held_skips_nothing(case, layout):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("fmt,layout", [("mxfp4", "stacked"), ("mxfp4", "split"),
+                                        ("bf16", "stacked")])
+def test_tokamax_mosaic_in_pallas_interpret_mode_matches_float64_sum(fmt, layout, monkeypatch):
+    """tokamax's Pallas TPU grouped matmul, run by Pallas's TPU interpreter on this CPU, at its
+    smallest tiles (128): MXFP4 experts dequantised per tile by the kernel, BF16 experts as
+    stored; 70 tokens x 3 slots (210 rows, padded to 256), some held elsewhere."""
+    monkeypatch.setenv("PALLAS_INTERPRET", "1")
+    rng = np.random.default_rng(7)
+    arrays, gate_up, down = random_experts(fmt, rng, hidden=128, width=128)
+    tokens = 70
+    x = rng.normal(size=(tokens, 128))
+    ids = rng.integers(-2, HELD + 2, (tokens, 3)).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (tokens, 3))
+    fn = functools.partial(experts.routed_experts, ffn=FFN, implementation="tokamax_mosaic")
+    args = (jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32), jnp.asarray(ids),
+            layouts(arrays, rng)[layout])
+    tpu = AbstractDevice(device_kind="TPU7x", num_cores=1, platform="tpu")
+    with cross_compile(True), jax.sharding.use_abstract_mesh(
+            AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=tpu)):
+        traced = jax.jit(fn).trace(*args)
+    lowered = traced.lower(lowering_platforms=("cpu",))
+    assert "tpu_custom_call" not in lowered.as_text()  # interpreted, not handed to Mosaic
+    got = lowered.compile()(*args)
+    expected = np_routed(x, weights, ids, gate_up, down)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_mxfp4_scales_become_exact_bfloat16():
+    """Every E8M0 byte is the bfloat16 power of two it means (byte 0: 2^-127, a subnormal;
+    255: NaN)."""
+    got = np.asarray(experts.tokamax.e8m0_as_bfloat16(jnp.arange(256, dtype=jnp.uint8)),
+                     np.float64)
+    np.testing.assert_array_equal(got[:255], 2.0 ** (np.arange(255) - 127))
+    assert np.isnan(got[255])
+
+
 def test_auto_rule_and_unknown_implementation():
-    resolve = experts.resolve_implementation
+    resolve = functools.partial(experts.resolve_implementation, backend="cpu")
     # Threshold 0: the hit-experts loop up to held - 1 slots.
     assert [resolve("auto", slots, 8, 0) for slots in (7, 8)] == ["gathered", "grouped"]
     assert [resolve("auto", slots, 8, 64) for slots in (64, 65)] == ["gathered", "grouped"]
-    assert {resolve(name, 1000, 8, 0) for name in experts.IMPLEMENTATIONS} == \
-        set(experts.IMPLEMENTATIONS)
+    assert {resolve(name, 1000, 8, 0) for name in XLA_KERNELS} == set(XLA_KERNELS)
+    # On a TPU above the threshold: tokamax's kernel where its 128-wide tiles fit the experts.
+    tpu = functools.partial(experts.resolve_implementation, backend="tpu")
+    assert [tpu("auto", 7, 8, 0, (128, 128)), tpu("auto", 8, 8, 0, (128, 128)),
+            tpu("auto", 8, 8, 0, (3584, 64)), tpu("auto", 8, 8, 0)] == \
+        ["gathered", "tokamax_mosaic", "grouped", "grouped"]
+    with pytest.raises(ValueError, match="tokamax_mosaic runs on TPU, not cpu"):
+        resolve("tokamax_mosaic", 1000, 8, 0)
     with pytest.raises(ValueError, match="unknown expert implementation 'dense'"):
         experts.routed_experts(jnp.ones((1, HIDDEN)), jnp.ones((1, 1)),
                                jnp.zeros((1, 1), jnp.int32), None, FFN, "dense")
@@ -148,7 +196,7 @@ def test_moe_layer_runs_the_configured_kernel(caplog, monkeypatch):
     cfg = tiny_config("kimi-linear-tiny", "expert_weight_format=mxfp4")
     x = jnp.asarray(np.random.default_rng(3).normal(size=(6, cfg.hidden_size)), jnp.float32)
     expected = nnx.jit(lambda m, x: m(x))(MoE(cfg, Init(5)), x)
-    for name in experts.IMPLEMENTATIONS:
+    for name in XLA_KERNELS:
         # Each distinct path is logged once per process: forget what was reported before.
         monkeypatch.setattr(moe_module, "_reported_paths", set())
         caplog.clear()

@@ -61,7 +61,7 @@ _CHOICES = {
     "kda_implementation": ("auto", "recurrent", "chunked", "tokamax_mosaic"),
     "kda_decode_implementation": ("auto", "xla", "tokamax_mosaic"),
     "moe_a2a_transport": ("auto", "ragged", "padded"),
-    "moe_expert_implementation": ("auto", "grouped", "gathered", "reference"),
+    "moe_expert_implementation": ("auto", "grouped", "gathered", "reference", "tokamax_mosaic"),
     "mla_cache_dtype": ("float32", "bfloat16", "float8_e4m3fn"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk", "nucleus", "composite"),
     "tokenizer_type": ("none", "byte", "tiktoken"),

@@ -100,8 +100,9 @@ def expert_implementation(cfg: Config, ctx: sharding.MeshContext | None, tokens:
         held = cfg.num_experts // ep
     else:
         slots, held = tokens * k // ctx.size("batch"), cfg.num_experts // ep
-    return expert_ops.resolve_implementation(cfg.moe_expert_implementation, slots, held,
-                                             cfg.moe_dense_threshold)
+    return expert_ops.resolve_implementation(
+        cfg.moe_expert_implementation, slots, held, cfg.moe_dense_threshold,
+        dims=(cfg.moe_hidden_size, cfg.moe_intermediate_size))
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,13 +15,16 @@ those steps with that chunk riding the first and its rows inserted after it). Wi
 chunks of one sequence, one per row). `--tpu` also lowers every program for TPU (`jax.export`,
 platforms=["tpu"]) from this machine, so nothing CPU-only hides in the production path: under
 an abstract mesh of TPU v7x devices, so `auto` implementations pick what a TPU runs (tokamax's
-Mosaic KDA kernels), and it prints how many Mosaic kernel calls each program holds. Weight and
+Mosaic KDA kernels, and its grouped matmul for routed experts above the dense threshold), and it
+prints how many Mosaic kernel calls each program holds, by kernel. Weight and
 state bytes are also computed from the real shardings (shard shape x itemsize), which is what
 `argument` should match.
 """
 
 from __future__ import annotations
 
+import collections
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -263,9 +266,12 @@ def check(cfg: Config, tpu: bool = False, serving: bool = False,
                 print(line, file=out)
             if tpu:
                 module = export_for_tpu(fn, args, mesh)
+                kernels = collections.Counter(re.findall(r'kernel_name = "([^"]+)"', module))
                 results[name]["tpu_kernels"] = module.count("tpu_custom_call")
                 print(f"{'':22s} lowers for TPU: {len(module) / 1e6:.1f} MB of StableHLO, "
-                      f"{results[name]['tpu_kernels']} Mosaic kernel calls", file=out)
+                      f"{results[name]['tpu_kernels']} Mosaic kernel calls ("
+                      + ", ".join(f"{n} x {k}" for k, n in sorted(kernels.items())) + ")",
+                      file=out)
     return results
 
 

@@ -4,7 +4,9 @@
 what their cost follows:
 - `grouped`: slots sorted by expert, two grouped matmuls (`ragged_dot`) over every held expert;
 - `gathered`: a loop over the routed slots touching only the experts hit (decode);
-- `reference`: every held expert on every token, combined densely; the tests' yardstick.
+- `reference`: every held expert on every token, combined densely; the tests' yardstick;
+- `tokamax_mosaic`: `grouped`'s sum through tokamax's Pallas TPU grouped matmul, MXFP4 experts
+  dequantised per tile inside the kernel (TPU; expert dimensions of 128 and more).
 `resolve_implementation` turns the `auto` setting into one of them. The weights come as
 `LayerExperts` (stacked or split per expert, BF16 or packed MXFP4) and the numerics as
 `ExpertFFN`, so this package needs no config and no layer.
@@ -12,8 +14,12 @@ what their cost follows:
 
 from __future__ import annotations
 
+import os
+
 import jax
 
+from k3text import sharding
+from k3text.ops.experts import tokamax
 from k3text.ops.experts.base import ExpertFFN, LayerExperts
 from k3text.ops.experts.gathered import gathered
 from k3text.ops.experts.grouped import grouped
@@ -22,17 +28,30 @@ from k3text.ops.experts.reference import reference
 __all__ = ["IMPLEMENTATIONS", "ExpertFFN", "LayerExperts", "resolve_implementation",
            "routed_experts"]
 
-IMPLEMENTATIONS = ("grouped", "gathered", "reference")
+IMPLEMENTATIONS = ("grouped", "gathered", "reference", "tokamax_mosaic")
 
 
-def resolve_implementation(setting: str, slots: int, held: int, dense_threshold: int) -> str:
-    """The kernel for `slots` routed slots over `held` experts: `setting` itself, or for `auto`
-    the hit-experts loop up to `dense_threshold` slots (0: held - 1, where ragged_dot starts to
-    be a real grouped matmul) and the grouped matmuls above."""
+def resolve_implementation(setting: str, slots: int, held: int, dense_threshold: int,
+                           dims: tuple[int, int] | None = None, backend: str | None = None,
+                           ) -> str:
+    """The kernel for `slots` routed slots over `held` experts of `dims` (hidden, intermediate;
+    None: unknown) on `backend` (default: the platform being compiled for): `setting` itself,
+    or for `auto` the hit-experts loop up to `dense_threshold` slots (0: held - 1, where a
+    grouped matmul starts to pay) and above it the grouped matmuls, tokamax's kernel on a TPU
+    where it takes the experts' dimensions."""
+    backend = backend or sharding.target_platform()
+    if setting == "tokamax_mosaic" and backend != "tpu" and \
+            os.environ.get("PALLAS_INTERPRET", "") in ("", "0"):
+        raise ValueError(f"moe_expert_implementation=tokamax_mosaic runs on TPU, not {backend} "
+                         f"(on a CPU only in Pallas's interpreter: PALLAS_INTERPRET=1)")
     if setting != "auto":
         return setting
     threshold = dense_threshold or held - 1
-    return "gathered" if slots <= threshold else "grouped"
+    if slots <= threshold:
+        return "gathered"
+    if backend == "tpu" and dims is not None and tokamax.supports(*dims):
+        return "tokamax_mosaic"
+    return "grouped"
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, local_ids: jax.Array,
@@ -50,5 +69,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, local_ids: jax.Array,
         return gathered(x, weights, local_ids, experts, ffn, all_ids_held)
     if implementation == "reference":
         return reference(x, weights, local_ids, experts, ffn)
+    if implementation == "tokamax_mosaic":
+        return tokamax.tokamax_mosaic(x, weights, local_ids, experts, ffn)
     raise ValueError(f"unknown expert implementation {implementation!r}; "
                      f"expected one of {list(IMPLEMENTATIONS)}")
