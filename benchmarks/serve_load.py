@@ -2,7 +2,7 @@
 
     python benchmarks/serve_load.py [CONFIG] [key=value ...] [--requests N] [--rates 2,8,32]
                                     [--concurrency C] [--rounds R] [--seed S] [--out DIR]
-                                    [--shared-prefix]
+                                    [--shared-prefix] [--baseline key=value,...]
 
 1. Compiles the offline engine on the same config in this process, then starts
    `python -m k3text.serve CONFIG` (default: the shipped model, configs/inference/cpu.yml,
@@ -21,6 +21,11 @@
    static batches of the slot count, in arrival order (each batch runs until its longest
    request ends). The offline runs happen while the server idles, so each round's ratios come
    from runs seconds apart; the median round is reported with the spread.
+
+With --baseline (e.g. `--baseline serve_overlap=false`) a second server runs with those
+overrides on top, and each round also saturates it, right before or after the first (the order
+alternating by round): prints the server's tokens/s, TPOT p50 and decode step against the
+baseline server's, measured minutes apart at most.
 
 With --shared-prefix it runs the prefix-cache workloads instead, on a server with
 `enable_prefix_caching` false and then true (the cache raised to 2,688 positions): N requests of a
@@ -494,6 +499,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds of offline steady state, saturation, static batches")
     p.add_argument("--out", type=Path, default=benchlib.RESULTS / "serve_load")
+    p.add_argument("--baseline", default="",
+                   help="comma-separated key=value overrides of a baseline server saturated in "
+                        "every round beside the server")
     p.add_argument("--shared-prefix", action="store_true",
                    help="the shared-prefix workloads, with the prefix cache off then on")
     args = p.parse_args()
@@ -520,6 +528,10 @@ def main() -> None:
     model = model_name(cfg)
     offline = Offline(args.config, overrides, requests)
     server = ServerProcess(args.config, overrides)
+    baseline_overrides = [o for o in args.baseline.split(",") if o]
+    baseline = ServerProcess(args.config, [*overrides, *baseline_overrides]) \
+        if baseline_overrides else None
+    baseline_mode = f"fixed concurrency, baseline {' '.join(baseline_overrides)}"
     rows, rounds = [], []
     try:
         asyncio.run(closed_loop(server.url, model, requests[:slots], slots, slots))  # warm
@@ -531,12 +543,25 @@ def main() -> None:
         # to 2x over minutes, so each round's ratios come from runs seconds apart.
         for i in range(args.rounds):
             steady = offline.steady()
-            saturated = asyncio.run(closed_loop(server.url, model, requests, concurrency, slots))
+            runs = [server, baseline] if baseline and i % 2 else [baseline, server]
+            for run in filter(None, runs):
+                result = asyncio.run(closed_loop(run.url, model, requests, concurrency, slots))
+                if run is server:
+                    saturated = result
+                else:
+                    base = result
+                    base["mode"] = baseline_mode
             static = offline.static()
-            for row in (saturated, steady, static):
+            for row in (saturated, steady, static, *([base] if baseline else [])):
                 row["round"] = i + 1
-            rows += [saturated, steady, static]
+            rows += [saturated, steady, static, *([base] if baseline else [])]
             rounds.append(ratios(saturated, steady, static))
+            if baseline:
+                rounds[-1] |= {
+                    "vs_baseline": saturated["output_tokens_per_s"] / base["output_tokens_per_s"],
+                    "tpot_vs_baseline": saturated["tpot_p50_ms"] / base["tpot_p50_ms"],
+                    "step_vs_baseline": saturated["server_ms_per_step"]
+                    / base["server_ms_per_step"]}
             ceiling = offline.prefill_ceiling(steady)
             rounds[-1]["ceiling"] = ceiling["ceiling"]
             saturated["prefill_ceiling"] = ceiling["ceiling"]
@@ -545,8 +570,11 @@ def main() -> None:
                   file=sys.stderr)
     finally:
         server.stop()
+        if baseline:
+            baseline.stop()
     m = benchlib.machine(config=args.config, overrides=overrides, slots=slots,
-                         requests=len(requests), rounds=args.rounds)
+                         requests=len(requests), rounds=args.rounds,
+                         baseline=baseline_overrides)
     args.out.mkdir(parents=True, exist_ok=True)
     benchlib.write_jsonl(args.out / "serve_load.jsonl", m, rows)
     benchlib.write_csv(args.out / "serve_load.csv", m, FIELDS, rows)
@@ -580,6 +608,10 @@ def main() -> None:
           f"its time {share['decode_share']:.0%} in decode calls, {share['prefill_share']:.0%} "
           f"in separate prefill calls; slots {share['slot_occupancy']:.0%} full")
     print(f"continuous vs static batching: {show('continuous')} (target >= 1.5)")
+    if baseline:
+        print(f"vs the baseline server ({' '.join(baseline_overrides)}) at saturation: tokens/s "
+              f"{show('vs_baseline')}, TPOT p50 {show('tpot_vs_baseline')}, decode step "
+              f"{show('step_vs_baseline')}")
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ class _Poisoning:
         return jax.tree.map(garbage, tree)
 
     def insert(self, pool, prefix, slots, *args, **kwargs):
-        taken = set(self.scheduler._decoding)
+        taken = set(self.scheduler.decoding())
         free = [s for s in range(pool.slots.tokens.shape[0]) if s not in taken]
         state = pool.state
         # Stacked fields hold the slots on axis 1; a per-layer pool's arrays on axis 0.

@@ -69,6 +69,26 @@ def test_the_leader_engine_broadcasts_and_refuses_a_pool_it_replaced(tiny):
     leader.close()
 
 
+def test_the_leader_engine_makes_dispatched_calls_whole(tiny, monkeypatch):
+    """With several processes every call's tokens are fetched in lockstep: the scheduler's
+    dispatch-then-fetch calls go out under the plain names the followers make whole, and come
+    back fetched."""
+    import pickle
+
+    from k3text.serving import multihost
+
+    _, engine = tiny
+    sent = []
+    broadcast = multihost._broadcast
+    monkeypatch.setattr(multihost, "_broadcast",
+                        lambda payload: sent.append(pickle.loads(payload)[0]) or
+                        broadcast(payload))
+    leader = LeaderEngine(engine)
+    pool, tokens = leader.dispatch_generate(leader.new_pool(2), 2)
+    assert tokens._device is None and tokens.get().ids.shape[0] == 2
+    assert sent == ["new_pool", "generate"]
+
+
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_a_chunk_riding_a_decode_step_equals_separate_calls(tiny, scan_layers):
     """`decode_and_prefill` (one decode step for the pool with a prefill chunk in the same
@@ -168,6 +188,65 @@ def test_the_scheduler_prefills_through_buckets_like_whole_chunks(tiny):
     for whole, narrow in zip(served[0], served[2], strict=True):
         assert whole["ids"] == narrow["ids"]
         np.testing.assert_allclose(whole["lps"], narrow["lps"], atol=1e-4)  # shape rounding
+
+
+class _Recording:
+    """An engine whose decode calls record when they are dispatched and when their tokens
+    reach the host."""
+
+    def __init__(self, engine):
+        self._engine, self.events = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def _recorded(self, later):
+        number = sum(event == "dispatch" for event, _ in self.events)
+        self.events.append(("dispatch", number))
+        get = later.get
+
+        def fetched():
+            self.events.append(("get", number))
+            return get()
+
+        later.get = fetched
+        return later
+
+    def dispatch_generate(self, *args, **kwargs):
+        pool, later = self._engine.dispatch_generate(*args, **kwargs)
+        return pool, self._recorded(later)
+
+    def dispatch_decode_and_prefill(self, *args, **kwargs):
+        pool, prefix, later = self._engine.dispatch_decode_and_prefill(*args, **kwargs)
+        return pool, prefix, self._recorded(later)
+
+
+def test_overlapped_calls_deliver_what_synchronous_calls_deliver(tiny):
+    """With `serve_overlap` each decode call is dispatched before the one before it is
+    delivered (the recorded order shows it), and every request gets the tokens it gets with
+    each call delivered before the next: greedy and seeded, prompts riding decode calls and
+    prefilled apart, requests ending at different calls."""
+    from test_prefix_cache import serve  # the in-process scheduler driver
+
+    cfg, engine = tiny
+    rng = np.random.default_rng(9)
+    requests = [(rng.integers(3, cfg.vocab_size, n).tolist(),
+                 SamplingParams(max_tokens=m, temperature=0.0 if i % 3 else 0.9, seed=i))
+                for i, (n, m) in enumerate(zip((5, 40, 1, 17, 64, 9, 33, 2, 12, 50),
+                                               (7, 3, 8, 1, 6, 8, 2, 5, 8, 4), strict=True))]
+    served, events = {}, {}
+    for overlap in (False, True):
+        recording = _Recording(engine)
+        served[overlap], _ = serve(recording, cfg.replace(
+            serve_overlap=overlap, per_device_batch_size=3, serve_steps_per_call=2), requests)
+        events[overlap] = recording.events
+    for overlap, recorded in events.items():
+        late = [n for n, (event, number) in enumerate(recorded)
+                if event == "dispatch" and number and ("get", number - 1) not in recorded[:n]]
+        assert bool(late) == overlap, recorded  # a call dispatched before its predecessor's get
+    for sync, overlapped in zip(served[False], served[True], strict=True):
+        assert sync["ids"] == overlapped["ids"]
+        np.testing.assert_allclose(overlapped["lps"], sync["lps"], atol=1e-4)
 
 
 def test_insert_overwrites_every_array_of_a_poisoned_slot(tiny):

@@ -107,6 +107,28 @@ SLOT_AXES = Slots(tokens=("batch",), active=("batch",), produced=("batch",), lim
                   sampling=SlotSampling(("batch",), ("batch",), ("batch",), ("batch", None)))
 
 
+class Later[T]:
+    """A dispatched device call's results, brought to the host on the first `get()`, so the
+    host can prepare (and dispatch) the next call while this one runs."""
+
+    def __init__(self, device_results: Any, to_host: Callable[[Any], T]):
+        self._device, self._convert = device_results, to_host
+        self._host: T | None = None
+
+    @classmethod
+    def done(cls, host_results: T) -> Later[T]:
+        """Results already on the host."""
+        later = cls(None, lambda _: host_results)
+        later._host = host_results
+        return later
+
+    def get(self) -> T:
+        if self._device is not None:
+            self._host = self._convert(_to_host(self._device))
+            self._device = None
+        return self._host
+
+
 @dataclasses.dataclass
 class Generation:
     """Per-prompt results of one `decode_batch` call (host numpy)."""
@@ -363,10 +385,17 @@ class Engine:
     def generate(self, pool: Pool, n_steps: int, top_n: int = 0) -> tuple[Pool, Tokens]:
         """Up to `n_steps` decode steps for every slot in one device call (fewer when every
         slot stops first). `pool` is consumed."""
+        pool, tokens = self.dispatch_generate(pool, n_steps, top_n)
+        return pool, tokens.get()
+
+    def dispatch_generate(self, pool: Pool, n_steps: int, top_n: int = 0,
+                          ) -> tuple[Pool, Later[Tokens]]:
+        """`generate`, returning as soon as the call is dispatched: its tokens come to the
+        host on `get()`. One process only (several fetch in lockstep, `_to_host`)."""
         self._note_shape("generate", f"{pool.slots.tokens.shape[0]} slots x {n_steps} steps")
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             pool, out = self._generate(self._weights, pool, max_steps=n_steps, top_n=top_n)
-            return pool, _tokens(_to_host(out))
+        return pool, Later(out, _tokens)
 
     def decode_and_prefill(self, pool: Pool, prefix: Prefix, tokens: np.ndarray,
                            valid: np.ndarray, start: int, slots: Sequence[int],
@@ -380,6 +409,17 @@ class Engine:
         Returns the pool, the prefix, the first step's tokens as `generate` gives them (the
         slots inserted were free during it), the inserted rows' first tokens, and the tokens of
         the steps after it (None for `n_steps` 1)."""
+        pool, prefix, tokens = self.dispatch_decode_and_prefill(
+            pool, prefix, tokens, valid, start, slots, limits, stop_ids, params, top_n, n_steps)
+        return pool, prefix, *tokens.get()
+
+    def dispatch_decode_and_prefill(
+            self, pool: Pool, prefix: Prefix, tokens: np.ndarray, valid: np.ndarray, start: int,
+            slots: Sequence[int], limits: Sequence[int], stop_ids: np.ndarray,
+            params: SlotSampling, top_n: int = 0, n_steps: int = 1,
+    ) -> tuple[Pool, Prefix, Later[tuple[Tokens, Tokens, Tokens | None]]]:
+        """`decode_and_prefill`, returning as soon as the call is dispatched: its three token
+        results come to the host on `get()`. One process only, as `dispatch_generate`."""
         self._note_shape("decode + prefill", "{} slots x {} steps + {} x {} tokens".format(
             pool.slots.tokens.shape[0], n_steps, *tokens.shape))
         host = lambda a, dt: self._global(np.asarray(a, dt), ("batch",))  # noqa: E731
@@ -391,11 +431,14 @@ class Engine:
                                                      ("batch", None)),
                 jax.tree.map(lambda a, ax: self._global(a, ax), params, SLOT_AXES.sampling),
                 top_n=top_n, n_steps=n_steps)
-            out, first, rest = _to_host((out, first, rest))
         rows = prefix.logits.shape[0]
-        step = _tokens(out)
-        first = Tokens(*first[:4], np.ones(rows, np.int32), first[4])
-        return pool, prefix, step, first, None if rest is None else _tokens(rest)
+
+        def tokens_of(host_out: tuple) -> tuple[Tokens, Tokens, Tokens | None]:
+            step, first, rest = host_out
+            return (_tokens(step), Tokens(*first[:4], np.ones(rows, np.int32), first[4]),
+                    None if rest is None else _tokens(rest))
+
+        return pool, prefix, Later((out, first, rest), tokens_of)
 
     def release(self, pool: Pool, slots: Sequence[int]) -> Pool:
         """Mark `slots` free (their state is left; the next `insert` overwrites all of it)."""

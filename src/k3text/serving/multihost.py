@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from jax.experimental import multihost_utils
 
-from k3text.inference.engine import Engine, Pool, Prefix
+from k3text.inference.engine import Engine, Later, Pool, Prefix, Tokens
 from k3text.inference.prefix_cache import PrefixStore
 
 log = logging.getLogger("k3text.serve")
@@ -102,6 +102,17 @@ class LeaderEngine:
         result = getattr(self._engine, method)(*args, **kwargs)
         self._latest.update(_returned(result))
         return result
+
+    # Every process fetches a call's tokens as a collective, in the order of the calls: the
+    # scheduler's dispatch-then-fetch calls are made whole, under their plain names.
+    def dispatch_generate(self, *args: Any, **kwargs: Any) -> tuple[Pool, Later[Tokens]]:
+        pool, tokens = self._call("generate", args, kwargs)
+        return pool, Later.done(tokens)
+
+    def dispatch_decode_and_prefill(self, *args: Any, **kwargs: Any,
+                                    ) -> tuple[Pool, Prefix, Later[tuple]]:
+        pool, prefix, *tokens = self._call("decode_and_prefill", args, kwargs)
+        return pool, prefix, Later.done(tuple(tokens))
 
     def close(self) -> None:
         """Tell the other processes to return from `follow`."""

@@ -15,6 +15,9 @@ One thread owns the engine and the pool and loops over iterations:
    the running sequences for its whole length. With `enable_prefix_caching` a group starts
    from its longest cached prefix (`inference/prefix_cache.py`) and caches each block its
    chunks complete. A context-parallel group's calls never ride.
+With `serve_overlap` (one process) step 2 dispatches its call and then delivers the call the
+previous iteration dispatched, so the host's delivery runs while the device decodes; each call's
+tokens go to the requests that held its slots when it was dispatched (docs/serving.md).
 Tokens go back to each request's `sink` (called on this thread) as `Delta`s and one `Finished`.
 A slot is freed in the iteration its request finishes, stops or is cancelled.
 
@@ -33,12 +36,13 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 
 from k3text.config import Config
-from k3text.inference.engine import MAX_STOP_IDS, Engine, Pool, Prefix, Tokens
+from k3text.inference.engine import MAX_STOP_IDS, Engine, Later, Pool, Prefix, Tokens
 from k3text.inference.prefix_cache import Chain, PrefixCache
 from k3text.inference.sampling import host_sampling
 from k3text.serving.metrics import Metrics
@@ -110,6 +114,17 @@ class Request:
 
 
 @dataclasses.dataclass
+class _InFlight:
+    """A decode call dispatched and not yet delivered."""
+
+    tokens: Later  # generate's Tokens, or decode_and_prefill's (step, first, rest)
+    owners: list[tuple[int, Request]]  # (slot, request) decoding during the call
+    job: _Prefill | None = None  # the group whose chunk rode the call
+    inserted: list[tuple[int, Request]] = dataclasses.field(default_factory=list)  # (row, r)
+    dispatch_seconds: float = 0.0
+
+
+@dataclasses.dataclass
 class _Prefill:
     """A group of up to `serve_prefill_batch` prompts prefilled together, one row each; a row
     is inserted into its slot as soon as its own prompt has ended."""
@@ -149,6 +164,10 @@ class Scheduler:
         self._decoding: dict[int, Request] = {}  # slot -> request
         self._prefill: _Prefill | None = None
         self._to_release: list[int] = []
+        # With `serve_overlap` the decode call dispatched last, delivered once the next one is
+        # dispatched (one process only: several fetch results in lockstep with each call).
+        self._overlap = cfg.serve_overlap and jax.process_count() == 1
+        self._in_flight_call: _InFlight | None = None
         self.prefix_cache: PrefixCache | None = None
         self._cache_seen = (0, 0, 0)  # the cache's (hits, queried, evictions) in the metrics
 
@@ -215,10 +234,12 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopping or self._waiting or self._prefill or self._decoding):
+                while not (self._stopping or self._waiting or self._prefill or self._decoding
+                           or self._in_flight_call):
                     self._cv.wait(timeout=0.5)
                 if self._stopping:
-                    if not (self._waiting or self._prefill or self._decoding):
+                    if not (self._waiting or self._prefill or self._decoding
+                            or self._in_flight_call):
                         return
                     self._cancel_everything()
             try:
@@ -228,7 +249,7 @@ class Scheduler:
                 self._fail_all("internal error in the scheduler")
 
     def _cancel_everything(self) -> None:  # under _cv, on the scheduler thread
-        for r in [*self._waiting, *self._decoding.values(),
+        for r in [*self._waiting, *self.decoding().values(),
                   *(self._prefill.live if self._prefill else [])]:
             r.cancelled = True
 
@@ -237,14 +258,19 @@ class Scheduler:
         under the budget)."""
         self._drop_cancelled()
         self._release_pending()  # before any insert: a freed slot may be refilled below
-        spent = self._decode() if self._decoding else 0
+        spent = self._decode() if self._decoding or self._in_flight_call else 0
         self._prefill_within_budget(spent)
         self._update_gauges()
 
+    def decoding(self) -> dict[int, Request]:
+        """slot -> request of the slots decoding on the device: the rows an in-flight call
+        inserts included (they join `_decoding` when its tokens are delivered)."""
+        pending = self._in_flight_call.inserted if self._in_flight_call else []
+        return self._decoding | {r.slot: r for _, r in pending}
+
     def _update_gauges(self) -> None:
         m = self.metrics
-        running = len(self._decoding) + (len(self._prefill.live) if self._prefill else 0)
-        m.running.set(running)
+        m.running.set(len(self.decoding()) + (len(self._prefill.live) if self._prefill else 0))
         m.slots_used.set(self.num_slots - len(self._free))
         with self._cv:
             m.waiting.set(len(self._waiting))
@@ -301,7 +327,7 @@ class Scheduler:
                 cost = width * len(job.live)
             if spent and spent + cost > budget:
                 return
-            if self._decoding and not spent and not job.slices:
+            if self.decoding() and not spent and not job.slices:
                 return  # a job started after decoding ended; its first chunk rides next time
             began = time.perf_counter()
             try:
@@ -439,9 +465,22 @@ class Scheduler:
 
     def _inserted(self, job: _Prefill, ready: list[int], first: Tokens) -> None:
         """Rows `ready` of `job` are in their slots: they decode from now on."""
+        self._joined([(i, r) for i, r in zip(ready, self._take_rows(job, ready), strict=True)],
+                     first)
+
+    def _take_rows(self, job: _Prefill, ready: list[int]) -> list[Request]:
+        """Rows `ready` of `job` leave it for their slots."""
+        taken = []
         for i in ready:
-            r, job.rows[i] = job.rows[i], None
+            taken.append(job.rows[i])
+            job.rows[i] = None
             self._end_chain(job, i)
+        return taken
+
+    def _joined(self, rows: list[tuple[int, Request]], first: Tokens) -> None:
+        """Requests (prefix row, request) inserted into their slots decode from now on; their
+        first tokens are row i of `first`."""
+        for i, r in rows:
             self.metrics.prompt_tokens.inc(len(r.prompt_ids))
             self._decoding[r.slot] = r
             self._deliver(r, first, i)
@@ -449,25 +488,29 @@ class Scheduler:
     def _decode(self) -> int:
         """The iteration's decode call: `serve_steps_per_call` steps for every slot, the first
         with the next prefill chunk riding along when a group is waiting
-        (`_decode_with_chunk`). Returns the prompt tokens that rode."""
+        (`_decode_with_chunk`); with `serve_overlap`, the call dispatched before it is delivered
+        once this one runs. Returns the prompt tokens that rode."""
+        owners = list(self.decoding().items())
+        if not any(not r.done for _, r in owners):  # only an in-flight call to deliver
+            self._dispatched(None)
+            return 0
         if self._prefill is None:
             self._prefill = self._start_prefill()
         job = self._prefill
         if job is not None and not job.slices:
-            return self._decode_with_chunk(job)
+            return self._decode_with_chunk(job, owners)
         began = time.perf_counter()
         try:
-            self._pool, out = self.engine.generate(self._pool, self.cfg.serve_steps_per_call,
-                                                   self.top_n)
+            self._pool, tokens = self.engine.dispatch_generate(
+                self._pool, self.cfg.serve_steps_per_call, self.top_n)
         except Exception:
             log.exception("decode call failed")
             self._fail_all("internal error during decoding")
             return 0
-        self.metrics.decode_seconds.inc(time.perf_counter() - began)
-        self._delivered(out, list(self._decoding.items()))
+        self._dispatched(_InFlight(tokens, owners, dispatch_seconds=time.perf_counter() - began))
         return 0
 
-    def _decode_with_chunk(self, job: _Prefill) -> int:
+    def _decode_with_chunk(self, job: _Prefill, owners: list[tuple[int, Request]]) -> int:
         """`serve_steps_per_call` decode steps for every slot in one call, the first with the
         next chunk of `job` riding along; the rows whose prompts it ends are inserted after
         that step and decode in the steps after it. Returns the prompt tokens it ran."""
@@ -480,26 +523,57 @@ class Scheduler:
         part, cost = slice(job.start, job.start + width), width * len(job.live)
         began = time.perf_counter()
         try:
-            self._pool, job.prefix, out, first, rest = self.engine.decode_and_prefill(
+            self._pool, job.prefix, tokens = self.engine.dispatch_decode_and_prefill(
                 self._pool, job.prefix, job.tokens[:, part], job.valid[:, part], job.start,
                 *self._insert_args(job, ready), self.top_n, self.cfg.serve_steps_per_call)
         except Exception:  # the pool and the prefix were donated to the call
             log.exception("decode call with a prefill chunk failed")
             self._fail_all("internal error during decoding")
             return 0
-        # One call, both kinds of work: its time counts as decoding (the prefill counter keeps
-        # the separate prefill calls).
-        self.metrics.decode_seconds.inc(time.perf_counter() - began)
-        decoding = list(self._decoding.items())  # before the insert's rows join
+        call = _InFlight(tokens, owners, job, dispatch_seconds=time.perf_counter() - began)
+        call.inserted = list(zip(ready, self._take_rows(job, ready), strict=True))
         job.start += width
         self._cache_blocks(job)
-        self._delivered(out, decoding)
-        self._inserted(job, ready, first)
-        if rest is not None:
-            self._delivered(rest, list(self._decoding.items()))
         if not job.live:
             self._prefill = None
+        self._dispatched(call)
         return cost
+
+    def _dispatched(self, call: _InFlight | None) -> None:
+        """`call` was dispatched (None: none this iteration): deliver the call before it, and
+        without `serve_overlap` this one too."""
+        previous, self._in_flight_call = self._in_flight_call, None
+        if previous is not None:
+            self._in_flight_call = call  # failing, previous's delivery fails this call as well
+            self._deliver_call(previous)
+            if self._in_flight_call is not call:
+                return
+        self._in_flight_call = call if self._overlap else None
+        if call is not None and not self._overlap:
+            self._deliver_call(call)
+
+    def _deliver_call(self, call: _InFlight) -> None:
+        """A decode call's tokens to the requests that were decoding in it, then to the rows
+        it inserted (their first tokens, and the steps after the insert)."""
+        began = time.perf_counter()
+        try:
+            result = call.tokens.get()
+        except Exception:  # the pool was donated to the call
+            log.exception("decode call failed")
+            self._fail_all("internal error during decoding", [r for _, r in call.inserted])
+            return
+        # A call with a chunk riding along does both kinds of work: its time counts as
+        # decoding (the prefill counter keeps the separate prefill calls). With overlap, only
+        # the time the host waited for it.
+        self.metrics.decode_seconds.inc(call.dispatch_seconds + time.perf_counter() - began)
+        if call.job is None:
+            self._delivered(result, call.owners)
+            return
+        step, first, rest = result
+        self._delivered(step, call.owners)
+        self._joined(call.inserted, first)
+        if rest is not None:
+            self._delivered(rest, call.owners + [(r.slot, r) for _, r in call.inserted])
 
     def _delivered(self, out: Tokens, decoding: list[tuple[int, Request]]) -> None:
         """A decode call's tokens to the requests `decoding` (slot, request) that are still
@@ -588,10 +662,11 @@ class Scheduler:
         except Exception:  # a sink whose client is gone must not stop the loop
             log.debug("sink of request %d failed", r.id, exc_info=True)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, also: Sequence[Request] = ()) -> None:
         """After a failed pool call the pool's buffers are gone: fail every request holding a
-        slot and start from an empty pool."""
-        victims = list(self._decoding.values())
+        slot (and `also`: rows a failed call was inserting) and start from an empty pool."""
+        victims = [*self.decoding().values(), *also]
+        self._in_flight_call = None
         if self._prefill is not None:
             victims += self._prefill.live
             for i in range(len(self._prefill.rows)):
