@@ -221,13 +221,25 @@ class _Recording:
         return pool, prefix, self._recorded(later)
 
 
-def test_overlapped_calls_deliver_what_synchronous_calls_deliver(tiny):
+def test_overlapped_calls_deliver_what_synchronous_calls_deliver(tiny, monkeypatch):
     """With `serve_overlap` each decode call is dispatched before the one before it is
-    delivered (the recorded order shows it), and every request gets the tokens it gets with
+    delivered (the recorded order shows it), slots whose requests the in-flight call ends go to
+    new requests before those tokens arrive, and every request gets the tokens it gets with
     each call delivered before the next: greedy and seeded, prompts riding decode calls and
     prefilled apart, requests ending at different calls."""
     from test_prefix_cache import serve  # the in-process scheduler driver
 
+    from k3text.serving.scheduler import Scheduler
+
+    handed_over = []
+    hand_over = Scheduler._hand_over_finishing_slots
+
+    def counting(self):
+        free = len(self._free)
+        hand_over(self)
+        handed_over.append(len(self._free) - free)
+
+    monkeypatch.setattr(Scheduler, "_hand_over_finishing_slots", counting)
     cfg, engine = tiny
     rng = np.random.default_rng(9)
     requests = [(rng.integers(3, cfg.vocab_size, n).tolist(),
@@ -244,6 +256,7 @@ def test_overlapped_calls_deliver_what_synchronous_calls_deliver(tiny):
         late = [n for n, (event, number) in enumerate(recorded)
                 if event == "dispatch" and number and ("get", number - 1) not in recorded[:n]]
         assert bool(late) == overlap, recorded  # a call dispatched before its predecessor's get
+    assert sum(handed_over) >= 3, handed_over
     for sync, overlapped in zip(served[False], served[True], strict=True):
         assert sync["ids"] == overlapped["ids"]
         np.testing.assert_allclose(overlapped["lps"], sync["lps"], atol=1e-4)

@@ -110,6 +110,8 @@ class Request:
     first_token_at: float | None = None
     text: TextStream | None = None
     stop_ids: np.ndarray | None = None  # the slot's stop-id row
+    produced: int = 0  # tokens the device produced for it, as far as delivered
+    handed_over: bool = False  # its slot went to another request before its last tokens came
     done: bool = False
 
 
@@ -494,6 +496,7 @@ class Scheduler:
         if not any(not r.done for _, r in owners):  # only an in-flight call to deliver
             self._dispatched(None)
             return 0
+        self._hand_over_finishing_slots()
         if self._prefill is None:
             self._prefill = self._start_prefill()
         job = self._prefill
@@ -538,6 +541,21 @@ class Scheduler:
             self._prefill = None
         self._dispatched(call)
         return cost
+
+    def _hand_over_finishing_slots(self) -> None:
+        """Free the slots of requests the in-flight call certainly ends (their limit falls
+        within its steps): the device stops them itself before any later call, so a new
+        request may take the slot now instead of one call after their tokens are delivered."""
+        call = self._in_flight_call
+        if call is None:
+            return
+        steps = self.cfg.serve_steps_per_call
+        # Inserted rows get their first token and `steps` - 1 more in the call.
+        for r, produced in [*((r, r.produced) for _, r in call.owners),
+                            *((r, 0) for _, r in call.inserted)]:
+            if not (r.done or r.handed_over) and produced + steps >= r.params.max_tokens:
+                r.handed_over = True
+                self._free_slot(r.slot, on_device=False)
 
     def _dispatched(self, call: _InFlight | None) -> None:
         """`call` was dispatched (None: none this iteration): deliver the call before it, and
@@ -586,6 +604,7 @@ class Scheduler:
     def _deliver(self, r: Request, out: Tokens, row: int) -> None:
         """Send row `row` of `out` to `r`, and end `r` if it finished."""
         n = int(out.count[row])
+        r.produced += n
         ids = np.atleast_1d(out.ids[row])[:n].tolist()
         lps = np.atleast_1d(out.logprobs[row])[:n].tolist()
         top_ids = np.atleast_2d(out.top_ids[row])[:n]  # insert rows hold one token
@@ -620,8 +639,10 @@ class Scheduler:
             self._end(r, "stop" if hit_stop_id else "length", on_device=False)
 
     def _end(self, r: Request, reason: str, on_device: bool, error: str | None = None) -> None:
-        del self._decoding[r.slot]
-        self._free_slot(r.slot, on_device)
+        if self._decoding.get(r.slot) is r:
+            del self._decoding[r.slot]
+        if not r.handed_over:  # else the slot is free already, perhaps another request's
+            self._free_slot(r.slot, on_device)
         self._finish(r, reason, error)
 
     def _free_slot(self, slot: int, on_device: bool) -> None:
