@@ -17,7 +17,7 @@ from k3text.layers.linears import matmul_out_in
 from k3text.layers.moe import MoE
 from k3text.models.decoder import Decoder
 from k3text.ops import mxfp4
-from k3text.ops.experts import IMPLEMENTATIONS
+from k3text.ops.experts import XLA_IMPLEMENTATIONS
 
 from helpers import tiny_config
 
@@ -125,7 +125,7 @@ def reference_moe(cfg, moe, x):
 
 
 @pytest.mark.parametrize("experts", ["mxfp4", "bf16"])
-@pytest.mark.parametrize("path", IMPLEMENTATIONS)
+@pytest.mark.parametrize("path", XLA_IMPLEMENTATIONS)  # tokamax's: test_ops_experts.py
 def test_latent_moe_matches_per_token_loop(experts, path):
     cfg = tiny_config("k3-tiny", f"expert_weight_format={experts}",
                       f"moe_expert_implementation={path}")

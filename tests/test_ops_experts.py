@@ -26,7 +26,6 @@ from k3text.ops.experts import ExpertFFN, LayerExperts
 from helpers import tiny_config
 
 TOKENS, HIDDEN, WIDTH, HELD = 5, 64, 32, 4  # MXFP4 packs 32-element blocks along `in`
-XLA_KERNELS = [name for name in experts.IMPLEMENTATIONS if name != "tokamax_mosaic"]
 FFN = ExpertFFN(lambda gate, up: jax.nn.silu(gate) * up, jnp.float32,
                 jax.lax.Precision.HIGHEST)
 
@@ -96,7 +95,7 @@ def case(request):
 
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("layout", ["stacked", "split"])
-@pytest.mark.parametrize("implementation", XLA_KERNELS)
+@pytest.mark.parametrize("implementation", experts.XLA_IMPLEMENTATIONS)
 def test_kernel_matches_float64_sum(case, implementation, layout, k):
     held, gate_up, down, x, rng = case
     # Ids in [-2, HELD + 2): some slots belong to experts held by other devices.
@@ -169,7 +168,8 @@ def test_auto_rule_and_unknown_implementation():
     # Threshold 0: the hit-experts loop up to held - 1 slots.
     assert [resolve("auto", slots, 8, 0) for slots in (7, 8)] == ["gathered", "grouped"]
     assert [resolve("auto", slots, 8, 64) for slots in (64, 65)] == ["gathered", "grouped"]
-    assert {resolve(name, 1000, 8, 0) for name in XLA_KERNELS} == set(XLA_KERNELS)
+    xla = experts.XLA_IMPLEMENTATIONS
+    assert {resolve(name, 1000, 8, 0) for name in xla} == set(xla)
     # On a TPU above the threshold: tokamax's kernel where its 128-wide tiles fit the experts.
     tpu = functools.partial(experts.resolve_implementation, backend="tpu")
     assert [tpu("auto", 7, 8, 0, (128, 128)), tpu("auto", 8, 8, 0, (128, 128)),
@@ -196,7 +196,7 @@ def test_moe_layer_runs_the_configured_kernel(caplog, monkeypatch):
     cfg = tiny_config("kimi-linear-tiny", "expert_weight_format=mxfp4")
     x = jnp.asarray(np.random.default_rng(3).normal(size=(6, cfg.hidden_size)), jnp.float32)
     expected = nnx.jit(lambda m, x: m(x))(MoE(cfg, Init(5)), x)
-    for name in XLA_KERNELS:
+    for name in experts.XLA_IMPLEMENTATIONS:
         # Each distinct path is logged once per process: forget what was reported before.
         monkeypatch.setattr(moe_module, "_reported_paths", set())
         caplog.clear()

@@ -25,10 +25,11 @@ from k3text.ops.experts.gathered import gathered
 from k3text.ops.experts.grouped import grouped
 from k3text.ops.experts.reference import reference
 
-__all__ = ["IMPLEMENTATIONS", "ExpertFFN", "LayerExperts", "resolve_implementation",
-           "routed_experts"]
+__all__ = ["IMPLEMENTATIONS", "XLA_IMPLEMENTATIONS", "ExpertFFN", "LayerExperts",
+           "resolve_implementation", "routed_experts"]
 
-IMPLEMENTATIONS = ("grouped", "gathered", "reference", "tokamax_mosaic")
+XLA_IMPLEMENTATIONS = ("grouped", "gathered", "reference")  # any backend, any expert size
+IMPLEMENTATIONS = (*XLA_IMPLEMENTATIONS, "tokamax_mosaic")
 
 
 def resolve_implementation(setting: str, slots: int, held: int, dense_threshold: int,
