@@ -14,8 +14,6 @@ what their cost follows:
 
 from __future__ import annotations
 
-import os
-
 import jax
 
 from k3text import sharding
@@ -41,8 +39,7 @@ def resolve_implementation(setting: str, slots: int, held: int, dense_threshold:
     grouped matmul starts to pay) and above it the grouped matmuls, tokamax's kernel on a TPU
     where it takes the experts' dimensions."""
     backend = backend or sharding.target_platform()
-    if setting == "tokamax_mosaic" and backend != "tpu" and \
-            os.environ.get("PALLAS_INTERPRET", "") in ("", "0"):
+    if setting == "tokamax_mosaic" and backend != "tpu" and not tokamax.interpreting():
         raise ValueError(f"moe_expert_implementation=tokamax_mosaic runs on TPU, not {backend} "
                          f"(on a CPU only in Pallas's interpreter: PALLAS_INTERPRET=1)")
     if setting != "auto":

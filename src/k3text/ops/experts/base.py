@@ -81,16 +81,18 @@ class LayerExperts(NamedTuple):
         """(gate_up [n, 2I, D], down [n, D, I]) in `dtype` for the held experts at `index` (all
         of them when None). Packed experts are narrowed first, then dequantised, so only the
         selected experts are ever expanded."""
-        def pick(name: str) -> jax.Array:
-            a = self.arrays[name]
-            if self.split:  # restacking split experts is a copy
-                a = jnp.stack(a)
-                return a if index is None else a[index]
-            if index is None:
-                return jax.lax.dynamic_index_in_dim(a, self.layer, 0, keepdims=False)
-            return a[self.layer, index]
+        return self._decoded(lambda name: self.held_array(name, index), dtype)
 
-        return self._decoded(pick, dtype)
+    def held_array(self, name: str, index: jax.Array | None = None) -> jax.Array:
+        """Array `name` of this layer's held experts at `index` (all of them when None), in
+        storage form, with a leading [experts] axis."""
+        a = self.arrays[name]
+        if self.split:  # restacking split experts is a copy
+            a = jnp.stack(a)
+            return a if index is None else a[index]
+        if index is None:
+            return jax.lax.dynamic_index_in_dim(a, self.layer, 0, keepdims=False)
+        return a[self.layer, index]
 
     def expert(self, e: int, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
         """(gate_up [2I, D], down [D, I]) in `dtype` of held expert `e` of the split form,

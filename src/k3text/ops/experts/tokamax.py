@@ -31,16 +31,12 @@ import tokamax
 
 from k3text.ops import mxfp4
 from k3text.ops.experts.base import FP32, ExpertFFN, LayerExperts
+from k3text.ops.experts.grouped import RAGGED_DIMS, sort_by_expert
 
 MIN_DIM = 128  # the kernel's smallest tile along every matrix dimension
 
-# x [M, in] . w [G, out, in] -> [M, out] (BF16 experts, as stored); x [M, in] . w [G, in, out]
-# (the MXFP4 experts' kernel layout).
-_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((1,), (2,)), ((), ())),
-    lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[0],
-)
+# x [M, in] . w [G, in, out] -> [M, out]: the MXFP4 experts' kernel layout (BF16 experts go as
+# stored, `RAGGED_DIMS`).
 _IN_OUT = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (1,)), ((), ())),
     lhs_ragged_dimensions=[0],
@@ -75,12 +71,13 @@ def mxfp4_operand(packed: jax.Array, scale: jax.Array) -> qwix.QArray:
                        qtype=jnp.float4_e2m1fn)
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Pallas kernels traced now run in its TPU interpreter (``PALLAS_INTERPRET``)."""
     return os.environ.get("PALLAS_INTERPRET", "") not in ("", "0")
 
 
 def _kernel():
-    if not _interpreting():
+    if not interpreting():
         return "mosaic"
     # tokamax's public entry points take only the kernel's name; the interpreter is a field of
     # its implementation object.
@@ -91,7 +88,7 @@ def _kernel():
 
 def _grouped_matmul(rows: jax.Array, w: jax.Array | qwix.QArray, sizes: jax.Array,
                     ffn: ExpertFFN) -> jax.Array:
-    dims = _IN_OUT if isinstance(w, qwix.QArray) else _OUT_IN
+    dims = _IN_OUT if isinstance(w, qwix.QArray) else RAGGED_DIMS
     return tokamax.ragged_dot_general(rows, w, sizes, dims, precision=ffn.precision,
                                       preferred_element_type=FP32, implementation=_kernel())
 
@@ -99,12 +96,7 @@ def _grouped_matmul(rows: jax.Array, w: jax.Array | qwix.QArray, sizes: jax.Arra
 def _layer_operands(experts: LayerExperts, dtype: jax.typing.DTypeLike,
                     ) -> tuple[jax.Array | qwix.QArray, jax.Array | qwix.QArray]:
     """(gate_up, down) of the held experts as the kernel takes them."""
-    def pick(name: str) -> jax.Array:
-        a = experts.arrays[name]
-        if experts.split:
-            return jnp.stack(a)
-        return jax.lax.dynamic_index_in_dim(a, experts.layer, 0, keepdims=False)
-
+    pick = experts.held_array
     if experts.packed:
         return tuple(mxfp4_operand(pick(f"{n}_packed"), pick(f"{n}_scale"))
                      for n in ("gate_up", "down"))
@@ -121,20 +113,12 @@ def tokamax_mosaic(x: jax.Array, weights: jax.Array, local_ids: jax.Array,
         raise ValueError(f"moe_expert_implementation=tokamax_mosaic needs expert dimensions of at "
                          f"least {MIN_DIM} (the kernel's tiles), got hidden {hidden} and "
                          f"intermediate {intermediate}; use grouped")
-    held = experts.held
-    k = local_ids.shape[-1]
-    flat_ids = local_ids.reshape(-1)
-    here = (flat_ids >= 0) & (flat_ids < held)
-    group = jnp.where(here, flat_ids, held)  # slots held elsewhere sort last
-    order = jnp.argsort(group, stable=True)
-    token = order // k
-    sizes = jnp.bincount(group, length=held + 1)[:held].astype(jnp.int32)
-    slots = order.shape[0]
-    padded = -(-slots // MIN_DIM) * MIN_DIM
-    rows = jnp.pad(jnp.take(x, token, axis=0).astype(ffn.dtype), ((0, padded - slots), (0, 0)))
-    h = _grouped_matmul(rows, gate_up, sizes, ffn)
-    y = _grouped_matmul(ffn.glu(h).astype(ffn.dtype), down, sizes, ffn)[:slots]
-    computed = jnp.arange(slots) < jnp.sum(sizes)  # the held slots, first in `order`
-    w = jnp.where(here, weights.reshape(-1), 0.0)[order]
-    contribution = jnp.where(computed[:, None], y * w[:, None], 0.0)
-    return jnp.zeros(x.shape, FP32).at[token].add(contribution)
+    slots = sort_by_expert(weights, local_ids, experts.held)
+    n = slots.token.shape[0]
+    rows = jnp.take(x, slots.token, axis=0).astype(ffn.dtype)
+    rows = jnp.pad(rows, ((0, -(-n // MIN_DIM) * MIN_DIM - n), (0, 0)))
+    h = _grouped_matmul(rows, gate_up, slots.sizes, ffn)
+    y = _grouped_matmul(ffn.glu(h).astype(ffn.dtype), down, slots.sizes, ffn)[:n]
+    computed = jnp.arange(n) < jnp.sum(slots.sizes)  # the held slots sort first
+    contribution = jnp.where(computed[:, None], y * slots.weight[:, None], 0.0)
+    return jnp.zeros(x.shape, FP32).at[slots.token].add(contribution)
