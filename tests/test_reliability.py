@@ -20,7 +20,7 @@ from k3text.checkpoint import convert, store, synthetic
 from k3text.config import CONFIG_DIR, ConfigError, load_config
 from k3text.layers.initializers import Init
 from k3text.models.decoder import Decoder
-from k3text.tools import compile_check, memory, params, roofline
+from k3text.tools import cli, compile_check, memory, params, roofline
 
 from helpers import MODELS, ROOT
 
@@ -115,6 +115,30 @@ def test_a_signal_during_decode_ends_in_one_line(tmp_path, signum):
     assert text.strip().splitlines()[-1] == ("k3text.decode: interrupted" if signum ==
                                              signal.SIGINT else "k3text.decode: terminated")
     assert not output.exists() and list(tmp_path.iterdir()) == [log]
+
+
+def test_a_sigterm_inside_an_event_loop_callback_still_ends_the_command(capsys):
+    # Orbax restores through asyncio, and asyncio logs and drops any exception a callback raises
+    # except SystemExit and KeyboardInterrupt: a SIGTERM landing there must not be swallowed
+    # (the task the callback would have woken then waits forever).
+    import asyncio
+    import os
+
+    async def restore() -> None:
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+
+        def callback() -> None:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled before the next line runs
+            woken.set_result(None)
+
+        loop.call_soon(callback)
+        await asyncio.wait_for(woken, timeout=10)
+
+    rc = cli.main([CPU], "k3text.decode", "", lambda cfg: asyncio.run(restore()))
+    assert rc == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "k3text.decode: terminated" and "Traceback" not in err
 
 
 # --------------------------------------------------------------------------------------------

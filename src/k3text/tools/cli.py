@@ -80,8 +80,14 @@ def _quiet_from_here() -> None:
         os.close(devnull)
 
 
-class _Terminated(BaseException):
-    """SIGTERM, raised where the main thread is, so `finally` blocks and cleanup run."""
+class _Terminated(SystemExit):
+    """SIGTERM, raised where the main thread is, so `finally` blocks and cleanup run. A
+    SystemExit, because asyncio lets only SystemExit and KeyboardInterrupt out of a callback:
+    any other exception raised while an event loop runs one (Orbax restores through asyncio) is
+    logged and dropped, and the task it would have woken waits forever."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
 
 
 def _terminate(signum: int, frame: Any) -> None:
