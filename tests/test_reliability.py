@@ -1,8 +1,10 @@
 """Bad outputs are refused before any work, exports are never replaced unasked, results files are
 always valid JSON, and signals end a command with one line and the conventional exit status."""
 
+import asyncio
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -121,9 +123,6 @@ def test_a_sigterm_inside_an_event_loop_callback_still_ends_the_command(capsys):
     # Orbax restores through asyncio, and asyncio logs and drops any exception a callback raises
     # except SystemExit and KeyboardInterrupt: a SIGTERM landing there must not be swallowed
     # (the task the callback would have woken then waits forever).
-    import asyncio
-    import os
-
     async def restore() -> None:
         loop = asyncio.get_running_loop()
         woken = loop.create_future()

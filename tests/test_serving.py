@@ -738,6 +738,18 @@ def test_isolation_under_concurrent_mixed_load(shipped):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_start_up_stops_the_server_cleanly(tmp_path, signum):
+    # The loader thread is compiling when the signal lands (an empty compilation cache: start-up
+    # takes a minute): the process must still end with its conventional status and one last
+    # line, not crash at interpreter exit underneath the compile.
+    server = Server(CPU, *SHIPPED, cache=tmp_path, ready=False)
+    server._wait_for(r"compiling", 600)
+    rc = server.stop(signum)
+    assert rc == (0 if signum == signal.SIGTERM else 130), "\n".join(server.lines)
+    assert server.lines[-1] == "k3text.serve: stopped during start-up", "\n".join(server.lines)
+
+
 def test_startup_503_queue_full_429_and_sigterm_finishes_in_flight(cache, shipped):
     server = Server(CPU, *SHIPPED, "max_queued_requests=2", cache=cache, ready=False)
     try:

@@ -16,6 +16,7 @@ process 0 serves HTTP and schedules, and the others make its engine calls as it 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -134,6 +135,8 @@ def serve(cfg: Config) -> None:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        if loader.is_alive():
+            _exit_during_start_up(sys.exc_info()[1])
         if state.scheduler is not None:
             state.scheduler.stop(cfg.serve_shutdown_timeout)
         for leader in leaders:  # after the scheduler's last engine call
@@ -143,6 +146,18 @@ def serve(cfg: Config) -> None:
     if not server.started:
         raise ConfigError(f"the server on {host}:{port} did not start")
     log.info("stopped")
+
+
+def _exit_during_start_up(error: BaseException | None) -> None:
+    """A signal during start-up: the loader thread is inside a compile no signal interrupts,
+    and finalising the interpreter underneath it crashes the process (a segmentation fault
+    after "stopped"). Nothing is written or held yet, so the process ends here: 0 after
+    SIGTERM, 130 after Ctrl-C."""
+    log.info("stopped during start-up")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130 if isinstance(error, KeyboardInterrupt) else 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
