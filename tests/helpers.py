@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import jax
@@ -14,6 +15,8 @@ from k3text.models.decoder import Decoder
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "configs" / "models"
+# The run's compilation cache (conftest.py), for the commands tests start.
+XLA_CACHE = os.environ["K3TEXT_TEST_XLA_CACHE"]
 
 
 def tiny_config(name: str, *overrides: str) -> Config:

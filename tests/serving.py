@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from helpers import ROOT
+from helpers import ROOT, XLA_CACHE
 
 CPU = str(ROOT / "configs" / "inference" / "cpu.yml")
 # Four 16-token prefill chunks fit a 64-token prompt: long prompts take several chunks.
@@ -28,8 +28,8 @@ CACHED = ["enable_prefix_caching=true", "prefix_cache_bytes=2000000"]
 class Server:
     """A server process; its stderr is collected in `lines`."""
 
-    def __init__(self, config: str, *overrides: str, cache: str | Path, ready: bool = True,
-                 timeout: float = 600, listens: bool = True):
+    def __init__(self, config: str, *overrides: str, cache: str | Path = XLA_CACHE,
+                 ready: bool = True, timeout: float = 600, listens: bool = True):
         args = [sys.executable, "-m", "k3text.serve", config, "server_port=0",
                 f"compilation_cache_dir={cache}", *overrides]
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -93,7 +93,7 @@ class Server:
 
 
 def offline_decode(tmp_path: Path, config: str, prompts: list[list[int]], max_steps: int,
-                   *overrides: str, cache: str | Path) -> list[dict]:
+                   *overrides: str, cache: str | Path = XLA_CACHE) -> list[dict]:
     """`python -m k3text.decode` on token-id prompts; its JSONL records in input order."""
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))

@@ -71,6 +71,9 @@ def test_prefill_buckets_match_the_full_forward(setup, length):
     width = 16 if last <= 16 else 32 if last <= 32 else 64
     assert ("prefill chunk", f"1 x {width} tokens") in engine._shapes_seen
     assert engine.chunk_width(last) == width
+    ran = {int(shape.split()[2]) for program, shape in engine._shapes_seen
+           if program == "prefill chunk"}
+    assert engine.prefill_widths([tokens[:length]]) == ran  # what the driver warms up
 
 
 def test_weights_travel_as_few_buffers_and_come_back_exact(setup):

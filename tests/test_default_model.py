@@ -59,6 +59,10 @@ def test_on_8_devices(held_in_file, tmp_path, mode):
 
 def test_main_command_prints_scored_answers(capsys):
     assert main([str(CPU), "progress=false"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert out.count("[correct]") >= 19, out  # of the 20 built-in prompts
     assert "accuracy: " in out
+    # The built-in prompts fit the narrowest bucket: the driver compiles no other width.
+    prefills = [line for line in err.splitlines() if "compiling prefill" in line]
+    assert prefills == ["k3text.engine: compiling prefill chunk for 20 x 16 tokens (once per "
+                        "shape)"], err

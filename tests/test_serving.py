@@ -428,11 +428,6 @@ MAX_STEPS = 24
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("serve-cache")
-
-
-@pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer("tiktoken", str(ROOT / "assets" / "k3-small" / "tiktoken.model"))
 
@@ -459,11 +454,11 @@ def mixed_prompts(tokenizer, n: int = 20, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def shipped(cache, tokenizer, tmp_path_factory):
+def shipped(tokenizer, tmp_path_factory):
     prompts = mixed_prompts(tokenizer)
     reference = offline_decode(tmp_path_factory.mktemp("offline"), CPU, prompts, MAX_STEPS,
-                               *SHIPPED, cache=cache)
-    server = Server(CPU, *SHIPPED, *CACHED, cache=cache)  # the offline reference runs uncached
+                               *SHIPPED)
+    server = Server(CPU, *SHIPPED, *CACHED)  # the offline reference runs uncached
     yield server, prompts, reference
     assert server.stop() == 0, "\n".join(server.lines)
 
@@ -750,8 +745,8 @@ def test_a_signal_during_start_up_stops_the_server_cleanly(tmp_path, signum):
     assert server.lines[-1] == "k3text.serve: stopped during start-up", "\n".join(server.lines)
 
 
-def test_startup_503_queue_full_429_and_sigterm_finishes_in_flight(cache, shipped):
-    server = Server(CPU, *SHIPPED, "max_queued_requests=2", cache=cache, ready=False)
+def test_startup_503_queue_full_429_and_sigterm_finishes_in_flight(shipped):
+    server = Server(CPU, *SHIPPED, "max_queued_requests=2", ready=False)
     try:
         r = httpx.get(server.url + "/health", timeout=10)
         early = httpx.post(server.url + "/v1/completions",
@@ -799,11 +794,11 @@ def test_startup_503_queue_full_429_and_sigterm_finishes_in_flight(cache, shippe
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["cpu8-local.yml", "cpu8-all-to-all.yml"])
-def test_isolation_on_8_devices(config, cache, tokenizer, tmp_path):
+def test_isolation_on_8_devices(config, tokenizer, tmp_path):
     path = str(ROOT / "configs" / "inference" / config)
     prompts = mixed_prompts(tokenizer, n=12, seed=1)
-    reference = offline_decode(tmp_path, path, prompts, MAX_STEPS, *SHIPPED, cache=cache)
-    server = Server(path, *SHIPPED, cache=cache)
+    reference = offline_decode(tmp_path, path, prompts, MAX_STEPS, *SHIPPED)
+    server = Server(path, *SHIPPED)
     try:
         run_load(server, prompts, reference, 40, "k3-small")
         assert not [line for line in server.lines if "Traceback" in line]
@@ -812,7 +807,7 @@ def test_isolation_on_8_devices(config, cache, tokenizer, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_serve_like_one(cache, tokenizer, tmp_path):
+def test_two_processes_serve_like_one(tokenizer, tmp_path):
     """2 processes x 4 CPU devices (jax.distributed on localhost): process 0 serves and
     schedules, process 1 replays its engine calls. Mixed greedy and seeded requests, some
     clients leaving, equal the offline decode on one 8-device process (greedy) and the same
@@ -822,15 +817,14 @@ def test_two_processes_serve_like_one(cache, tokenizer, tmp_path):
         port = s.getsockname()[1]
     path = str(ROOT / "configs" / "inference" / "cpu8-local.yml")
     prompts = mixed_prompts(tokenizer, n=8, seed=2)
-    reference = offline_decode(tmp_path, path, prompts, MAX_STEPS, *SHIPPED, cache=cache)
+    reference = offline_decode(tmp_path, path, prompts, MAX_STEPS, *SHIPPED)
     distributed = ["jax_distributed_initialize=true", f"coordinator_address=localhost:{port}",
                    "num_processes=2"]
     # With the prefix cache on: the followers replay its restores and saves too.
-    follower = Server(path, *SHIPPED, *CACHED, *distributed, "process_id=1", cache=cache,
-                      listens=False)
+    follower = Server(path, *SHIPPED, *CACHED, *distributed, "process_id=1", listens=False)
     server = None
     try:
-        server = Server(path, *SHIPPED, *CACHED, *distributed, "process_id=0", cache=cache)
+        server = Server(path, *SHIPPED, *CACHED, *distributed, "process_id=0")
         run_load(server, prompts, reference, 16, "k3-small")
         assert server.metrics()["k3text_prefix_cache_hit_tokens_total"] >= 16
         assert not [line for line in server.lines + follower.lines if "Traceback" in line]

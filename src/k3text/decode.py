@@ -286,7 +286,13 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     engine, ctx = build(cfg)
     engine.check_prompts([r.prompt_ids for r in requests], cfg.max_decode_steps)
     batch = cfg.global_batch_size
-    compile_seconds = engine.warm_up(batch)  # reported apart: the throughput below is without it
+    groups = [[r.prompt_ids for r in group] for group in batches(requests, batch)]
+    # Only the prefill widths these prompts run, where the driver can tell them in advance.
+    widths = None if cfg.enable_prefix_caching or any(
+        engine.context_parallel([p]) for group in groups for p in group) else \
+        set().union(*(engine.prefill_widths(group) for group in groups))
+    # Reported apart: the throughput below is without it.
+    compile_seconds = engine.warm_up(batch, widths=widths)
     records: list[dict[str, Any]] = []
     gens = []
     bar = tqdm(total=len(requests), desc="decode", unit="prompt", file=sys.stderr,

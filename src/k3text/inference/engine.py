@@ -473,20 +473,32 @@ class Engine:
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             return self._step(self._weights, tokens, state, key)
 
+    def prefill_widths(self, prompts: Sequence[Sequence[int]]) -> set[int]:
+        """The chunk widths `prefill(prompts)` runs (without a prefix cache, and not
+        context-parallel): whole chunks, then the narrowest bucket that holds what is left."""
+        longest, chunk = max(len(p) for p in prompts), self.cfg.prefill_chunk_size
+        padded = -(-longest // chunk) * chunk
+        return {self.chunk_width(longest - start) for start in range(0, padded, chunk)}
+
     def warm_up(self, batch: int, max_steps: int | None = None, prefill_batch: int | None = None,
-                top_n: int = 0, serving: bool = False) -> float:
+                top_n: int = 0, serving: bool = False,
+                widths: Sequence[int] | None = None) -> float:
         """Compile (or load from the compilation cache) the programs `decode_batch` (or, with
         `serving`, a server's scheduler) runs for `batch` slots, by running them on nothing:
-        one chunk of padding, inserted as padding rows, and a decode call with no active slot,
-        which stops before its first step; for a server also the decode call with each chunk
-        width riding along (`serve_steps_per_call` steps). Returns the seconds it took, so
-        callers can report compile time apart from throughput."""
+        one chunk of padding at each of `widths` (default: every bucket and the whole chunk;
+        `prefill_widths` says which a set of prompts runs), inserted as padding rows, and a
+        decode call with no active slot, which stops before its first step; for a server also
+        the decode call with each chunk width riding along (`serve_steps_per_call` steps).
+        Running them, not only compiling, also pays each program's one-time cost of its first
+        execution, which would otherwise land in the first real call. Returns the seconds it
+        took, so callers can report compile time apart from throughput."""
         cfg = self.cfg
         max_steps = cfg.max_decode_steps - 1 if max_steps is None else max_steps
         prefill_batch = prefill_batch or batch
+        widths = sorted(set(widths or (*self.buckets, cfg.prefill_chunk_size)))
         t0 = time.perf_counter()
         prefix = self.new_prefix(prefill_batch)
-        for width in (*self.buckets, cfg.prefill_chunk_size):
+        for width in widths:
             chunk = np.full((prefill_batch, width), cfg.pad_token_id, np.int32)
             prefix = self.prefill_chunk(prefix, chunk, np.zeros(chunk.shape, bool), 0)
         rows = cfg.prefill_context_parallelism
@@ -499,7 +511,7 @@ class Engine:
                               sampling.config_sampling(cfg, prefill_batch), top_n)
         pool, _ = self.generate(pool, max(max_steps, 1), top_n)
         if serving:
-            for width in (*self.buckets, cfg.prefill_chunk_size):
+            for width in widths:
                 chunk = np.full((prefill_batch, width), cfg.pad_token_id, np.int32)
                 pool, prefix, *_ = self.decode_and_prefill(
                     pool, prefix, chunk, np.zeros(chunk.shape, bool), 0, [-1] * prefill_batch,
