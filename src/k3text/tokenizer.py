@@ -63,9 +63,14 @@ class Tokenizer(Protocol):
     @property
     def pad_id(self) -> int | None: ...
 
+    @property
+    def special_tokens(self) -> Mapping[str, int]: ...
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def token_bytes(self, token: int) -> bytes: ...
 
 
 def _check_ids(ids: Sequence[int], vocab_size: int) -> None:
@@ -90,6 +95,11 @@ class ByteTokenizer:
         """Special ids are dropped; bytes that are not valid UTF-8 become U+FFFD."""
         _check_ids(ids, self.vocab_size)
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token `token` stands for (none for a special id)."""
+        _check_ids([token], self.vocab_size)
+        return bytes([token]) if token < 256 else b""
 
 
 class TiktokenTokenizer:
@@ -184,6 +194,13 @@ class TiktokenTokenizer:
         """Special ids are dropped; bytes that are not valid UTF-8 become U+FFFD."""
         _check_ids(ids, self.vocab_size)
         return self._encoding.decode([i for i in ids if i < self.num_ranks], errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token `token` stands for, which may end inside a UTF-8 character (none
+        for a special or unnamed id)."""
+        _check_ids([token], self.vocab_size)
+        return self._encoding.decode_single_token_bytes(token) if token < self.num_ranks \
+            else b""
 
 
 def _check_ranks(ranks: Mapping[bytes, int]) -> None:

@@ -1,13 +1,16 @@
 """The HTTP front: an OpenAI-compatible FastAPI app over the scheduler.
 
 `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream`: server-sent events
-ending with `data: [DONE]`), `GET /v1/models`, `GET /health` (200 once the weights are loaded
-and the programs compiled, 503 before), `GET /metrics` (Prometheus text).
+ending with `data: [DONE]`), `GET /v1/models` and `/v1/models/{id}`, `GET /health` (200 once the
+weights are loaded and the programs compiled, 503 before), `GET /metrics` (Prometheus text).
 
-Requests are checked by `Protocol` before they reach the scheduler: a bad one gets a 400 naming
-its field and never touches the pool. A full queue answers 429, a server still starting (or
+Requests are checked by `Protocol` before they reach the scheduler, on a worker thread (a long
+prompt's tokenization never stalls the streams the event loop serves): a bad one gets a 400
+naming its field (404 for a model not served, 413 for a body larger than any prompt the server
+takes) and never touches the pool. A full queue answers 429, a server still starting (or
 stopping) 503. A client that disconnects has its request cancelled. Anything unexpected fails
-only the request it happened in, with a 500, and is logged.
+only the request it happened in, with a 500, and is logged. Every error is an OpenAI error
+object, unknown paths and methods included.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from k3text.serving.metrics import Metrics
 from k3text.serving.protocol import Parsed, Protocol, RequestError, error_body
@@ -31,6 +35,14 @@ from k3text.serving.scheduler import Request as Job
 log = logging.getLogger("k3text.serve")
 
 _POLL_SECONDS = 0.25  # how often a waiting non-streaming request checks its client is there
+# A request body may hold this many bytes per prompt token the server takes (a prompt as JSON
+# text, escaped, or as ids), and never less than the floor: what is larger is refused unread.
+_BODY_BYTES_PER_TOKEN = 64
+_BODY_BYTES_FLOOR = 16 * 2**20
+
+
+class _TooLarge(Exception):
+    pass
 
 
 class ServerState:
@@ -40,6 +52,8 @@ class ServerState:
         self.protocol = protocol
         self.metrics = metrics
         self.max_model_len = max_model_len
+        self.max_body_bytes = max(_BODY_BYTES_FLOOR, _BODY_BYTES_PER_TOKEN
+                                  * protocol.cfg.max_prefill_predict_length)
         self.scheduler: Scheduler | None = None
         self.created = int(time.time())
 
@@ -52,6 +66,20 @@ def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, allow_nan=False)}\n\n"
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or `_TooLarge` as soon as it passes `limit` bytes (declared or sent)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _TooLarge
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise _TooLarge
+        parts.append(part)
+    return b"".join(parts)
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="k3text", docs_url=None, redoc_url=None)
     protocol = state.protocol
@@ -60,6 +88,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error serving %s", request.url.path, exc_info=exc)
         return _error("internal server error", 500, "internal_error")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own (an unknown path, a wrong method) as OpenAI error objects.
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(error_body(message, "invalid_request_error", None, exc.status_code),
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
     async def health() -> Response:
@@ -74,11 +109,27 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": protocol.model_name, "object": "model", "created": state.created,
+                "owned_by": "k3text", "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": protocol.model_name, "object": "model", "created": state.created,
-             "owned_by": "k3text", "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        if model != protocol.model_name:
+            e = protocol.unknown_model(model)
+            return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(model_card())
+
+    def parse(raw: bytes, chat: bool) -> Parsed:
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, huge ints, deep nests
+            raise RequestError(f"the request body is not valid JSON ({e})") from None
+        return protocol.chat(body) if chat else protocol.completion(body)
 
     async def serve(request: Request, chat: bool) -> Response:
         scheduler = state.scheduler
@@ -86,12 +137,14 @@ def create_app(state: ServerState) -> FastAPI:
             return _error("the server is starting (loading weights, compiling)", 503,
                           "unavailable")
         try:
-            body = json.loads(await request.body())
-        except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, huge ints, deep nests
-            return _error(f"the request body is not valid JSON ({e})", 400,
+            raw = await _read_body(request, state.max_body_bytes)
+        except _TooLarge:
+            return _error(f"the request body is larger than {state.max_body_bytes:,} bytes, "
+                          f"more than any prompt this server takes (max_prefill_predict_length="
+                          f"{protocol.cfg.max_prefill_predict_length} tokens)", 413,
                           "invalid_request_error")
         try:
-            parsed = protocol.chat(body) if chat else protocol.completion(body)
+            parsed = await asyncio.to_thread(parse, raw, chat)
         except RequestError as e:
             return JSONResponse(e.body(), status_code=e.status)
         loop = asyncio.get_running_loop()
@@ -113,14 +166,20 @@ def create_app(state: ServerState) -> FastAPI:
     async def _collect(request: Request, rid: str, parsed: Parsed, job: Job,
                        events: asyncio.Queue, scheduler: Scheduler) -> Response:
         deltas: list[Delta] = []
+        loop = asyncio.get_running_loop()
+        check_at = loop.time() + _POLL_SECONDS
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(events.get(), _POLL_SECONDS)
-                except TimeoutError:
+                # Checked on a clock, not only when no tokens come: a request whose tokens
+                # keep arriving would otherwise never notice its client has gone.
+                if loop.time() >= check_at:
                     if await request.is_disconnected():
                         scheduler.cancel(job)
                         return Response(status_code=499)
+                    check_at = loop.time() + _POLL_SECONDS
+                try:
+                    event = await asyncio.wait_for(events.get(), check_at - loop.time())
+                except TimeoutError:
                     continue
                 if isinstance(event, Delta):
                     deltas.append(event)
@@ -140,14 +199,16 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def _stream(rid: str, parsed: Parsed, job: Job, events: asyncio.Queue,
                       scheduler: Scheduler) -> AsyncIterator[str]:
-        first = True
+        offset = 0  # characters streamed, for the completions log-probabilities' text_offset
         try:
+            if parsed.chat:
+                yield _sse(protocol.role_chunk(rid, parsed))
             while True:
                 event = await events.get()
                 if isinstance(event, Delta):
                     if event.ids or event.text:
-                        yield _sse(protocol.chunk(rid, parsed, event, None, first))
-                        first = False
+                        yield _sse(protocol.chunk(rid, parsed, event, None, offset))
+                        offset += protocol.text_length(event)
                     continue
                 if event.reason == "error":
                     yield _sse(error_body(event.error or "internal error", "internal_error",

@@ -2,15 +2,19 @@
 `SamplingParams`, and the response, stream-chunk and error objects.
 
 Every check names its field (`RequestError.param`), so a client sees which value is wrong. What
-the server cannot do (n > 1, echo, penalties, batched prompts) is refused, not ignored.
+the server cannot do (n > 1, echo, penalties, batched prompts, tools, structured output, ...: the
+fields of `UNSUPPORTED`) is refused when it is asked for, never silently ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from k3text.config import Config
@@ -40,6 +44,61 @@ def error_body(message: str, kind: str, param: str | None = None,
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+def _absent_or(*neutral: Any) -> Callable[[Any], bool]:
+    """A test that a field's value asks for nothing: null, or one of `neutral` (same type:
+    JSON true is not 1)."""
+    return lambda v: v is None or any(type(v) is type(n) and v == n for n in neutral)
+
+
+# OpenAI and vLLM request fields this server does not implement, each with the test that its
+# value asks for nothing (then it is accepted); any other value is a 400 naming the field. Fields
+# that cannot change the output (user, metadata, store, parallel_tool_calls, ...) are ignored.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "best_of": _absent_or(1),
+    "logit_bias": _absent_or({}),
+    "min_p": _absent_or(0, 0.0),
+    "min_tokens": _absent_or(0),
+    "prompt_logprobs": _absent_or(),
+    "include_stop_str_in_output": _absent_or(False),
+    "skip_special_tokens": _absent_or(True),  # special ids never have text here
+    "use_beam_search": _absent_or(False),
+    "allowed_token_ids": _absent_or(),
+    "bad_words": _absent_or([]),
+    "truncate_prompt_tokens": _absent_or(),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "structured_outputs": _absent_or(),
+    "guided_json": _absent_or(),
+    "guided_regex": _absent_or(),
+    "guided_choice": _absent_or(),
+    "guided_grammar": _absent_or(),
+    "logits_processors": _absent_or(),
+}
+UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
+    "suffix": _absent_or(""),
+}
+UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
+    "tools": _absent_or([]),
+    "tool_choice": _absent_or("none", "auto"),
+    "functions": _absent_or([]),
+    "function_call": _absent_or("none", "auto"),
+    "chat_template": _absent_or(),
+    "chat_template_kwargs": _absent_or({}),
+    "continue_final_message": _absent_or(False),
+    "add_generation_prompt": _absent_or(True),
+    "documents": _absent_or(),
+    "modalities": _absent_or(["text"]),
+    "audio": _absent_or(),
+    "prediction": _absent_or(),
+}
+
+
+def _refuse_unsupported(body: dict, fields: dict[str, Callable[[Any], bool]]) -> None:
+    for name, asks_nothing in fields.items():
+        if name in body and not asks_nothing(body[name]):
+            raise RequestError(f"'{name}' = {_short(body[name])} is not supported by this "
+                               f"server", name)
+
+
 @dataclasses.dataclass
 class Parsed:
     """A checked request."""
@@ -50,6 +109,7 @@ class Parsed:
     include_usage: bool
     return_token_ids: bool
     chat: bool
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
 # ---- field checks -----------------------------------------------------------------------------
@@ -117,6 +177,12 @@ def _check_ids(ids: list[Any], name: str, vocab: int) -> list[int]:
     return list(ids)
 
 
+@functools.cache
+def _special_pattern(tokens: tuple[str, ...]) -> re.Pattern[str]:
+    """Any of `tokens`, longest first (as tiktoken matches them)."""
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+
+
 class Protocol:
     """Request checking and response building for one served model."""
 
@@ -129,20 +195,58 @@ class Protocol:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def _encode(self, text: str, name: str, special: bool = False) -> list[int]:
-        if self.tokenizer is None:
-            raise RequestError(f"'{name}' is text but the server has no tokenizer "
-                               f"(tokenizer_type: none); send token ids", name)
-        try:
-            ids = (self.tokenizer.encode(text, allow_special_tokens=True) if special
-                   else self.tokenizer.encode(text))
-        except UnicodeError as e:  # a lone surrogate (JSON "\ud800") is not encodable text
-            raise RequestError(f"'{name}' is not valid Unicode text ({e.reason})", name) from None
-        if self.cfg.add_bos and not special:  # a chat template writes its own bos
+    def _encode(self, text: str, name: str) -> list[int]:
+        """`text` as ordinary text (a special token's text is not its id), bos first when the
+        config adds one."""
+        ids = self._encode_text(text, name)
+        if self.cfg.add_bos:
             bos = self.tokenizer.bos_id if self.tokenizer.bos_id is not None \
                 else self.cfg.bos_token_id
             ids = [bos, *ids]
         return ids
+
+    def _encode_text(self, text: str, name: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError(f"'{name}' is text but the server has no tokenizer "
+                               f"(tokenizer_type: none); send token ids", name)
+        try:
+            return self.tokenizer.encode(text)
+        except UnicodeError as e:  # a lone surrogate (JSON "\ud800") is not encodable text
+            raise RequestError(f"'{name}' is not valid Unicode text ({e.reason})", name) from None
+
+    def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The rendered conversation's ids. A Jinja template's markup may hold special tokens
+        (its own bos, role markers), which become their ids; the messages' text never does, so
+        a user cannot forge a turn. The simple template is all ordinary text."""
+        try:
+            rendered = self.template.render(messages)
+            spans = self.template.content_spans(messages, rendered) \
+                if self.template.special_tokens else None
+        except Exception as e:  # the template's own checks (raise_exception) and its errors
+            raise RequestError(f"the chat template cannot render these messages: {e}",
+                               "messages") from None
+        if not self.template.special_tokens:
+            return self._encode(rendered, "messages")
+        if self.tokenizer is None:
+            self._encode_text(rendered, "messages")  # the error that says so
+        specials = self.tokenizer.special_tokens
+        markup = [(m.start(), m.end()) for m in _special_pattern(tuple(specials)).finditer(
+            rendered)] if specials else []
+        if spans is None:  # the template rewrites message text: only its own markup may match
+            for i, m in enumerate(messages):
+                if any(token in m["content"] for token in specials):
+                    raise RequestError(
+                        f"messages[{i}].content holds the text of a special token, which this "
+                        f"chat template would turn into a control token", "messages")
+        else:
+            markup = [(a, b) for a, b in markup
+                      if not any(a < end and start < b for start, end in spans)]
+        ids, at = [], 0
+        for a, b in markup:
+            ids += self._encode_text(rendered[at:a], "messages")
+            ids.append(specials[rendered[a:b]])
+            at = b
+        return ids + self._encode_text(rendered[at:], "messages")
 
     def _common(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
@@ -154,25 +258,36 @@ class Protocol:
         if not isinstance(model, str):
             raise RequestError(f"'model' must be a string, got {_type_name(model)}", "model")
         if model != self.model_name:
-            raise RequestError(f"model '{model}' does not exist; this server serves "
-                               f"'{self.model_name}'", "model", kind="model_not_found")
+            raise self.unknown_model(model)
         if _int(body, "n", 1, 1) != 1:
             raise RequestError("only n=1 is supported; send one request per completion", "n")
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                               ("repetition_penalty", 1.0)):
             if _float(body, name, neutral, -2.0, 2.0) != neutral:
                 raise RequestError(f"'{name}' is not supported", name)
+        _refuse_unsupported(body, UNSUPPORTED)
         return body
 
-    def _sampling(self, body: dict, prompt_len: int, logprobs: int | None) -> SamplingParams:
+    def unknown_model(self, model: str) -> RequestError:
+        """The 404 for a model this server does not serve (OpenAI's status for it)."""
+        return RequestError(f"model '{model}' does not exist; this server serves "
+                            f"'{self.model_name}'", "model", status=404, kind="model_not_found")
+
+    def _sampling(self, body: dict, prompt_len: int, logprobs: int | None,
+                  prompt_name: str) -> SamplingParams:
         cfg = self.cfg
         room = cfg.max_target_length - prompt_len
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        if max_tokens is None:
-            max_tokens = max(1, min(cfg.serve_default_max_tokens, room))
+        # max_completion_tokens is the newer name; a null one leaves max_tokens in force.
+        name = next((n for n in ("max_completion_tokens", "max_tokens")
+                     if body.get(n) is not None), None)
+        if name is None:
+            if room < 1:
+                raise RequestError(f"'{prompt_name}' ({prompt_len} tokens) leaves no room in the "
+                                   f"cache of max_target_length={cfg.max_target_length} tokens",
+                                   prompt_name)
+            max_tokens = min(cfg.serve_default_max_tokens, room)
         else:
-            max_tokens = _int({name: max_tokens}, name, None, 1)
+            max_tokens = _int(body, name, None, 1)
         if prompt_len + max_tokens > cfg.max_target_length:
             raise RequestError(f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) exceeds "
                                f"the cache of max_target_length={cfg.max_target_length} tokens",
@@ -189,7 +304,8 @@ class Protocol:
         if len(stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
             raise RequestError(f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings of "
                                f"at most {MAX_STOP_CHARS} characters", "stop")
-        stop_ids = body.get("stop_token_ids") or []
+        stop_ids = body.get("stop_token_ids")
+        stop_ids = [] if stop_ids is None else stop_ids
         if not isinstance(stop_ids, list):
             raise RequestError("'stop_token_ids' must be a list of token ids", "stop_token_ids")
         stop_ids = _check_ids(stop_ids, "stop_token_ids", cfg.vocab_size)
@@ -226,13 +342,16 @@ class Protocol:
 
     def completion(self, body: Any) -> Parsed:
         body = self._common(body)
+        _refuse_unsupported(body, UNSUPPORTED_COMPLETION)
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, list | str)
+                                                       for p in prompt):
+            if len(prompt) > 1:
+                raise RequestError("batched prompts are not supported; send one request per "
+                                   "prompt", "prompt")
+            prompt = prompt[0]  # a batch of one (LangChain sends every prompt so)
         if isinstance(prompt, str):
             ids = self._encode(prompt, "prompt")
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, list | str)
-                                                         for p in prompt):
-            raise RequestError("batched prompts are not supported; send one request per "
-                               "prompt", "prompt")
         elif isinstance(prompt, list):
             ids = _check_ids(prompt, "prompt", self.cfg.vocab_size)
         elif prompt is None:
@@ -245,12 +364,13 @@ class Protocol:
             raise RequestError("'echo' is not supported", "echo")
         logprobs = _int(body, "logprobs", None, 0, self.cfg.serve_max_logprobs)
         stream = _bool(body, "stream", False)
-        return Parsed(ids, self._sampling(body, len(ids), logprobs), stream,
+        return Parsed(ids, self._sampling(body, len(ids), logprobs, "prompt"), stream,
                       self._stream_options(body, stream), _bool(body, "return_token_ids", False),
                       chat=False)
 
     def chat(self, body: Any) -> Parsed:
         body = self._common(body)
+        _refuse_unsupported(body, UNSUPPORTED_CHAT)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list", "messages")
@@ -263,28 +383,24 @@ class Protocol:
                 raise RequestError(f"messages[{i}].role '{m['role']}' is not one of system, "
                                    f"user, assistant, developer, tool", "messages")
             content = m.get("content")
-            if isinstance(content, list):  # content parts: only text ones
+            if isinstance(content, list):  # content parts: only text ones, one per line
                 if not all(isinstance(p, dict) and p.get("type") == "text"
                            and isinstance(p.get("text"), str) for p in content):
                     raise RequestError(f"messages[{i}].content parts must be text parts",
                                        "messages")
-                content = "".join(p["text"] for p in content)
+                content = "\n".join(p["text"] for p in content)
             if not isinstance(content, str):
                 raise RequestError(f"messages[{i}].content must be a string", "messages")
             checked.append({"role": m["role"], "content": content})
-        try:
-            rendered = self.template.render(checked)
-        except Exception as e:  # the template's own checks (raise_exception) and its errors
-            raise RequestError(f"the chat template cannot render these messages: {e}",
-                               "messages") from None
-        ids = self._encode(rendered, "messages", special=self.template.special_tokens)
+        ids = self._encode_chat(checked)
         ids = self._check_prompt(ids, "messages")
         want = _bool(body, "logprobs", False)
         top = _int(body, "top_logprobs", None, 0, self.cfg.serve_max_logprobs)
         if top is not None and not want:
             raise RequestError("'top_logprobs' needs logprobs=true", "top_logprobs")
         stream = _bool(body, "stream", False)
-        return Parsed(ids, self._sampling(body, len(ids), (top or 0) if want else None),
+        return Parsed(ids, self._sampling(body, len(ids), (top or 0) if want else None,
+                                          "messages"),
                       stream, self._stream_options(body, stream),
                       _bool(body, "return_token_ids", False), chat=True)
 
@@ -293,25 +409,39 @@ class Protocol:
     def new_id(self, chat: bool) -> str:
         return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
-    def _logprobs(self, deltas: list[Delta], chat: bool) -> dict[str, Any] | None:
+    def _text(self, token: int) -> str:
+        return token_text(self.tokenizer, token)
+
+    def _bytes(self, token: int) -> list[int]:
+        return list(self.tokenizer.token_bytes(token)) if self.tokenizer is not None and \
+            token < self.tokenizer.vocab_size else []
+
+    def text_length(self, delta: Delta) -> int:
+        """Characters `delta`'s tokens add to the completions log-probabilities' `text_offset`
+        (each token's own text, as `tokens` lists it)."""
+        return sum(len(self._text(t)) for t in delta.ids)
+
+    def _logprobs(self, deltas: list[Delta], chat: bool, offset: int = 0,
+                  ) -> dict[str, Any] | None:
+        """The choice's `logprobs` for `deltas`; `offset`: the characters before them (a
+        stream's earlier chunks)."""
         if not deltas or deltas[0].top is None:
             return None
-        text = lambda t: token_text(self.tokenizer, t)  # noqa: E731
         ids = [t for d in deltas for t in d.ids]
         lps = [x for d in deltas for x in d.logprobs]
         tops = [t for d in deltas for t in d.top]
         if chat:
             return {"content": [
-                {"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
-                 "top_logprobs": [{"token": text(a), "logprob": b, "bytes": list(text(a).encode())}
+                {"token": self._text(t), "logprob": lp, "bytes": self._bytes(t),
+                 "top_logprobs": [{"token": self._text(a), "logprob": b, "bytes": self._bytes(a)}
                                   for a, b in top]}
                 for t, lp, top in zip(ids, lps, tops, strict=True)]}
-        offsets, at = [], 0
+        offsets = []
         for t in ids:
-            offsets.append(at)
-            at += len(text(t))
-        return {"tokens": [text(t) for t in ids], "token_logprobs": lps,
-                "top_logprobs": [{text(a): b for a, b in top} for top in tops],
+            offsets.append(offset)
+            offset += len(self._text(t))
+        return {"tokens": [self._text(t) for t in ids], "token_logprobs": lps,
+                "top_logprobs": [{self._text(a): b for a, b in top} for top in tops],
                 "text_offset": offsets}
 
     def usage(self, finished: Finished) -> dict[str, int]:
@@ -331,30 +461,42 @@ class Protocol:
         if parsed.return_token_ids:
             choice["token_ids"] = [t for d in deltas for t in d.ids]
         body = {"id": rid, "object": "chat.completion" if parsed.chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "choices": [choice],
+                "created": parsed.created, "model": self.model_name, "choices": [choice],
                 "usage": self.usage(finished)}
         if parsed.return_token_ids:
             body["prompt_token_ids"] = parsed.prompt_ids
         return body
 
+    def _chunk(self, rid: str, parsed: Parsed, choices: list[dict[str, Any]],
+               usage: dict[str, int] | None = None) -> dict[str, Any]:
+        body = {"id": rid, "object": "chat.completion.chunk" if parsed.chat
+                else "text_completion", "created": parsed.created, "model": self.model_name,
+                "choices": choices}
+        if parsed.include_usage:  # null in every chunk but the last, as OpenAI sends it
+            body["usage"] = usage
+        return body
+
     def chunk(self, rid: str, parsed: Parsed, delta: Delta | None, finish: str | None,
-              first: bool = False) -> dict[str, Any]:
+              offset: int = 0) -> dict[str, Any]:
+        """A stream chunk: `delta`'s tokens (`offset`: the characters streamed before them),
+        or the finish with no tokens."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
-                                  "logprobs": self._logprobs([delta], parsed.chat)
+                                  "logprobs": self._logprobs([delta], parsed.chat, offset)
                                   if delta else None}
         text = delta.text if delta else ""
         if parsed.chat:
-            choice["delta"] = ({"role": "assistant", "content": text} if first
-                               else {"content": text} if delta else {})
+            choice["delta"] = {"content": text} if delta else {}
         else:
             choice["text"] = text
         if parsed.return_token_ids:
             choice["token_ids"] = delta.ids if delta else []
-        return {"id": rid, "object": "chat.completion.chunk" if parsed.chat
-                else "text_completion", "created": int(time.time()), "model": self.model_name,
-                "choices": [choice]}
+        return self._chunk(rid, parsed, [choice])
+
+    def role_chunk(self, rid: str, parsed: Parsed) -> dict[str, Any]:
+        """A chat stream's first chunk: the assistant's role, before any token."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}
+        return self._chunk(rid, parsed, [choice])
 
     def usage_chunk(self, rid: str, parsed: Parsed, finished: Finished) -> dict[str, Any]:
-        return {"id": rid, "object": "chat.completion.chunk" if parsed.chat
-                else "text_completion", "created": int(time.time()), "model": self.model_name,
-                "choices": [], "usage": self.usage(finished)}
+        return self._chunk(rid, parsed, [], self.usage(finished))

@@ -10,6 +10,7 @@ request and the returned text stops before it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,13 @@ _INCOMPLETE = "\ufffd"
 
 
 class TextStream:
-    """The text of one request's generated tokens, released piece by piece."""
+    """The text of one request's generated tokens, released piece by piece.
+
+    Decoding is incremental: the tokens up to the last whole character are fixed (their text
+    cannot change), and each `add` decodes only the tokens after them, so the work per token
+    does not grow with the output (both tokenizers are byte-level, so the text of a run of
+    tokens after a whole character is exactly what those tokens add).
+    """
 
     def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
@@ -30,12 +37,31 @@ class TextStream:
         self.text = ""
         self.stopped = False  # a stop string was found; `text` ends before it
         self.kept = 0  # how many tokens of the last `add` were kept
+        self._fixed = 0  # tokens whose text is final
+        self._fixed_text = ""  # their text, ending on a whole character
+        self._searched = 0  # characters of the text searched for stop strings, for good
 
-    def _decode(self) -> str:
+    def _decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
             return ""
-        known = [t for t in self.ids if t < self.tokenizer.vocab_size]  # padding ids: no text
-        return self.tokenizer.decode(known)
+        return self.tokenizer.decode([t for t in ids if t < self.tokenizer.vocab_size])
+
+    def _text_of(self, end: int) -> str:
+        """The text of the first `end` tokens (at least the fixed ones)."""
+        return self._fixed_text + self._decode(self.ids[self._fixed:end])
+
+    def _fix(self, tail: str) -> None:
+        """Fix the tokens up to the last one that ends a whole character, given `tail`, the text
+        of the unfixed ones. A character spans at most 4 bytes, so that token is among the last
+        4 (a tail still ending in U+FFFD after them holds invalid bytes: it stays unfixed)."""
+        end = len(self.ids)
+        while tail.endswith(_INCOMPLETE):
+            end -= 1
+            if end < max(self._fixed, len(self.ids) - 4):
+                return
+            tail = self._decode(self.ids[self._fixed:end])
+        self._fixed_text += tail
+        self._fixed = end
 
     def add(self, ids: Sequence[int], final: bool = False) -> str:
         """Add tokens; returns the text that is now safe to send. `final` releases the rest.
@@ -47,15 +73,18 @@ class TextStream:
         before = len(self.ids)
         self.ids += ids
         self.kept = len(ids)
-        text = self._decode()
+        tail = self._decode(self.ids[self._fixed:])
+        text = self._fixed_text + tail
         if self._first_stop(text) is not None:
-            full = self.ids
             for k in range(1, len(ids) + 1):  # the token that completes the stop string
-                self.ids = full[: before + k]
-                text = self._decode()
+                text = self._text_of(before + k)
                 if (at := self._first_stop(text)) is not None:
                     break
+            del self.ids[before + k:]
             text, self.stopped, self.kept = text[:at], True, k
+        else:
+            self._fix(tail)
+            self._searched = len(self._fixed_text)
         self.text = text
         if self.stopped or final:
             ready = len(text)
@@ -67,7 +96,10 @@ class TextStream:
         return piece
 
     def _first_stop(self, text: str) -> int | None:
-        hits = [at for stop in self.stop if (at := text.find(stop)) >= 0]
+        """Where the first stop string starts in `text`, looking only where one can begin that
+        earlier searches have not ruled out."""
+        hits = [at for stop in self.stop
+                if (at := text.find(stop, max(0, self._searched - len(stop) + 1))) >= 0]
         return min(hits) if hits else None
 
 
@@ -137,3 +169,25 @@ class ChatTemplate:
                                      tools=None, **self.special)
         return "".join(SIMPLE_TEMPLATE.format(role=m["role"], content=m["content"])
                        for m in messages) + "assistant:"
+
+    def content_spans(self, messages: list[dict[str, Any]], rendered: str,
+                      ) -> list[tuple[int, int]] | None:
+        """Where the messages' own text lies in `rendered` (their render): [start, end) spans,
+        found by rendering each content as a marker; None when the template does more with a
+        content than write it out whole (trims it, splits it), so its text cannot be told from
+        the template's."""
+        markers = [{**m, "content": _MARKER.format(i)} for i, m in enumerate(messages)]
+        pieces = _MARKERS.split(self.render(markers))
+        spans, text = [], pieces[0]
+        for index, after in zip(pieces[1::2], pieces[2::2], strict=True):
+            if int(index) >= len(messages):  # the template's own text looks like a marker
+                return None
+            content = messages[int(index)]["content"]
+            spans.append((len(text), len(text) + len(content)))
+            text += content + after
+        return spans if text == rendered else None
+
+
+# A message's content while `content_spans` renders: private-use characters around its index.
+_MARKER = "\ue000{}\ue001"
+_MARKERS = re.compile("\ue000(\\d+)\ue001")
