@@ -2,15 +2,21 @@
 
     python benchmarks/serve_load.py [CONFIG] [key=value ...] [--requests N] [--rates 2,8,32]
                                     [--concurrency C] [--rounds R] [--seed S] [--out DIR]
-                                    [--shared-prefix] [--baseline key=value,...]
+                                    [--workload mixed|decode-heavy] [--shared-prefix]
+                                    [--baseline key=value,...]
 
 1. Compiles the offline engine on the same config in this process, then starts
    `python -m k3text.serve CONFIG` (default: the shipped model, configs/inference/cpu.yml,
    8 slots) on a free port and waits for /health.
-2. A workload of N requests: prompt lengths mixed (half a short fact prompt, half random ids
-   of 16 to `max_prefill_predict_length` tokens), output lengths 8 to 32 tokens for 75% of
-   them and 96 to 192 for the rest (greedy, `ignore_eos`: each request generates exactly its
-   drawn length; the cache is raised to 256 positions for them).
+2. A workload of N requests (`--workload`, greedy, `ignore_eos`: each request generates exactly
+   its drawn length; the cache is raised to 256 positions for them):
+   - `mixed` (the default): prompt lengths mixed (half a short fact prompt, half random ids of
+     16 to `max_prefill_predict_length` tokens), output lengths 8 to 32 tokens for 75% of them
+     and 96 to 192 for the rest;
+   - `decode-heavy`: short fact prompts (7 to 12 tokens) and 64 to 192 output tokens, so that
+     prefill is a small share of the work and the saturation ratio measures what serving itself
+     costs beside the decode-only loop (on this CPU a prompt token costs about what an output
+     token does, and the mixed workload's prompts alone hold its ratio near 0.7).
 3. Poisson arrivals at each rate. Every request streams; the client times its first token
    (TTFT) and its tokens after the first (TPOT = (last - first) / (tokens - 1)); output
    tokens/s = all tokens / wall time.
@@ -75,20 +81,26 @@ DEFAULT_OVERRIDES = ["per_device_batch_size=8", "max_target_length=256", "progre
 # ---- the workload -----------------------------------------------------------------------------
 
 
-def workload(cfg: Any, tokenizer: Any, n: int, seed: int) -> list[dict[str, Any]]:
+WORKLOADS = ("mixed", "decode-heavy")
+
+
+def workload(cfg: Any, tokenizer: Any, n: int, seed: int,
+             kind: str = "mixed") -> list[dict[str, Any]]:
     rng = random.Random(seed)
     facts = corpus.facts(cfg.corpus_seed)
     room = cfg.max_target_length
     requests = []
     for _ in range(n):
-        if rng.random() < 0.5:
+        if kind == "decode-heavy" or rng.random() < 0.5:
             prompt = [cfg.bos_token_id, *tokenizer.encode(rng.choice(facts).prompt)]
         else:
             length = rng.randint(16, cfg.max_prefill_predict_length)
             prompt = [cfg.bos_token_id] + [rng.randrange(3, tokenizer.vocab_size)
                                            for _ in range(length - 1)]
-        # Most answers short, a quarter long: the mix static batching handles worst.
-        out = rng.randint(8, 32) if rng.random() < 0.75 else rng.randint(96, 192)
+        if kind == "decode-heavy":
+            out = rng.randint(64, 192)
+        else:  # most answers short, a quarter long: the mix static batching handles worst
+            out = rng.randint(8, 32) if rng.random() < 0.75 else rng.randint(96, 192)
         out = min(out, room - len(prompt))
         requests.append({"prompt": prompt, "max_tokens": out})
     return requests
@@ -502,6 +514,8 @@ def main() -> None:
     p.add_argument("--baseline", default="",
                    help="comma-separated key=value overrides of a baseline server saturated in "
                         "every round beside the server")
+    p.add_argument("--workload", choices=WORKLOADS, default="mixed",
+                   help="prompt and output lengths (see the module docstring)")
     p.add_argument("--shared-prefix", action="store_true",
                    help="the shared-prefix workloads, with the prefix cache off then on")
     args = p.parse_args()
@@ -522,7 +536,7 @@ def main() -> None:
     from k3text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.tokenizer_type, decode.tokenizer_path(cfg))
-    requests = workload(cfg, tokenizer, args.requests, args.seed)
+    requests = workload(cfg, tokenizer, args.requests, args.seed, args.workload)
     slots = cfg.global_batch_size
     concurrency = args.concurrency or 2 * slots
     model = model_name(cfg)
@@ -573,7 +587,7 @@ def main() -> None:
         if baseline:
             baseline.stop()
     m = benchlib.machine(config=args.config, overrides=overrides, slots=slots,
-                         requests=len(requests), rounds=args.rounds,
+                         requests=len(requests), rounds=args.rounds, workload=args.workload,
                          baseline=baseline_overrides)
     args.out.mkdir(parents=True, exist_ok=True)
     benchlib.write_jsonl(args.out / "serve_load.jsonl", m, rows)
@@ -596,7 +610,7 @@ def main() -> None:
     saturated = [r for r in rows if r["mode"] == "fixed concurrency"]
     share = {k: float(np.median([r[k] for r in saturated]))
              for k in ("decode_share", "prefill_share", "slot_occupancy")}
-    print(f"median of {args.rounds} rounds:")
+    print(f"median of {args.rounds} rounds, {args.workload} workload:")
     print(f"saturation vs offline steady-state decode: {show('saturation')} (target >= 0.8)")
     steadies = [r for r in rows if r["mode"] == "offline steady state"]
     per_prompt = float(np.median([r["prefill_steps_per_prompt"] for r in steadies]))
