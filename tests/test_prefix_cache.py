@@ -233,6 +233,38 @@ def test_outputs_with_the_cache_equal_outputs_without_it(mesh):
     assert metrics.prefix_hit_rate._value.get() == cache.hit_tokens / cache.prompt_tokens
 
 
+def test_a_prompt_whose_last_chunk_rides_a_decode_call_caches_its_last_block():
+    """A prompt of exactly two blocks, prefilled while another request decodes (a budget of one
+    chunk: each chunk rides a decode call), leaves both blocks cached, as a prompt prefilled
+    apart does: the chunk that ends it caches its block before the row leaves for its slot."""
+    cfg = _config("enable_prefix_caching=true", "prefix_cache_bytes=10000000",
+                  "serve_prefill_token_budget=16")
+    engine = engine_for(cfg, seed=5)
+    rng = np.random.default_rng(3)
+    scheduler = Scheduler(cfg, engine, None)
+    decoding, done = threading.Event(), [threading.Event(), threading.Event()]
+
+    def sink(i):
+        def receive(event):
+            if isinstance(event, Finished):
+                done[i].set()
+            elif i == 0:
+                decoding.set()
+        return receive
+
+    scheduler.start()
+    try:
+        scheduler.submit(Request(rng.integers(3, cfg.vocab_size, 5).tolist(),
+                                 SamplingParams(max_tokens=40, ignore_eos=True), sink(0)))
+        assert decoding.wait(120)
+        scheduler.submit(Request(rng.integers(3, cfg.vocab_size, 2 * BLOCK).tolist(),
+                                 SamplingParams(max_tokens=2, ignore_eos=True), sink(1)))
+        assert done[1].wait(120) and done[0].wait(120)
+    finally:
+        scheduler.stop()
+    assert scheduler.prefix_cache.tree.cached_blocks == 2
+
+
 def test_a_restored_prefix_is_the_cold_prefix_exactly():
     """The state after restoring a cached prefix and prefilling the rest equals the cold
     prefill's state array for array, for hits of one and three blocks, and for a second

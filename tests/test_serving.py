@@ -11,6 +11,7 @@ import json
 import random
 import signal
 import socket
+import threading
 
 import httpx
 import jax
@@ -260,6 +261,105 @@ def test_overlapped_calls_deliver_what_synchronous_calls_deliver(tiny, monkeypat
     for sync, overlapped in zip(served[False], served[True], strict=True):
         assert sync["ids"] == overlapped["ids"]
         np.testing.assert_allclose(overlapped["lps"], sync["lps"], atol=1e-4)
+
+
+class _FailingFetch:
+    """An engine whose `fail_at`-th fetched decode call raises when its tokens are fetched, as
+    a device error surfaces (-1: none fails); counts the fetches."""
+
+    def __init__(self, engine, fail_at: int):
+        self._engine, self.fail_at, self.fetches = engine, fail_at, 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def _failing(self, later):
+        get = later.get
+
+        def fetched():
+            self.fetches += 1
+            if self.fetches - 1 == self.fail_at:
+                raise RuntimeError("injected device failure")
+            return get()
+
+        later.get = fetched
+        return later
+
+    def dispatch_generate(self, *args, **kwargs):
+        pool, later = self._engine.dispatch_generate(*args, **kwargs)
+        return pool, self._failing(later)
+
+    def dispatch_decode_and_prefill(self, *args, **kwargs):
+        pool, prefix, later = self._engine.dispatch_decode_and_prefill(*args, **kwargs)
+        return pool, prefix, self._failing(later)
+
+
+def test_a_failure_at_any_call_finishes_every_request_and_the_server_goes_on(tiny,
+                                                                               monkeypatch):
+    """A decode call failing when its tokens are fetched (each call in turn), or the host
+    failing while it delivers them, with overlapped calls and slots handed over early: every
+    request still gets its end (tokens or an error, never silence), the gauges come back to
+    zero, and the next request is served."""
+    from k3text.serving.scheduler import Finished, Request, Scheduler
+
+    cfg, engine = tiny
+    cfg = cfg.replace(serve_overlap=True, per_device_batch_size=3, serve_steps_per_call=2)
+    rng = np.random.default_rng(9)
+    requests = [(rng.integers(3, cfg.vocab_size, n).tolist(),
+                 SamplingParams(max_tokens=m, temperature=0.0))
+                for n, m in zip((5, 40, 1, 17, 64, 9, 33, 2, 12, 50),
+                                (7, 3, 8, 1, 6, 8, 2, 5, 8, 4), strict=True)]
+
+    def run(failing, extra=()):
+        scheduler = Scheduler(cfg, failing, None)
+        done = [threading.Event() for _ in [*requests, *extra]]
+        reasons = [None] * len(done)
+
+        def sink(i):
+            def receive(event):
+                if isinstance(event, Finished):
+                    reasons[i] = event.reason
+                    done[i].set()
+            return receive
+
+        scheduler.start()
+        try:
+            for i, (prompt, params) in enumerate(requests):
+                scheduler.submit(Request(list(prompt), params, sink(i)))
+            for i, event in enumerate(done[:len(requests)]):
+                assert event.wait(120), f"request {i} never ended ({failing.fail_at})"
+            for i, (prompt, params) in enumerate(extra, start=len(requests)):
+                scheduler.submit(Request(list(prompt), params, sink(i)))
+                assert done[i].wait(120)
+            value = scheduler.metrics.registry.get_sample_value
+            assert value("k3text_requests_running") == 0 and value("k3text_slots_used") == 0
+        finally:
+            scheduler.stop()
+        return reasons, failing.fetches
+
+    clean, calls = run(_FailingFetch(engine, -1))
+    assert set(clean) == {"length"} and calls > 6
+    after = [(requests[4][0], SamplingParams(max_tokens=5, temperature=0.0))]
+    failed = 0  # runs in which the failing call held a request (the last ones may hold none)
+    for fail_at in range(calls):
+        reasons, _ = run(_FailingFetch(engine, fail_at), after)
+        assert reasons[-1] == "length", (fail_at, reasons)
+        failed += "error" in reasons
+    assert failed >= calls - 2, (failed, calls)
+    # The host failing while it delivers a call's tokens (here: as the call's inserted rows
+    # join) ends those rows too.
+    joined = Scheduler._joined
+    calls_seen = []
+
+    def failing_join(self, rows, first):
+        calls_seen.append(len(rows))
+        if len(calls_seen) == 3:
+            raise RuntimeError("injected host failure")
+        joined(self, rows, first)
+
+    monkeypatch.setattr(Scheduler, "_joined", failing_join)
+    reasons, _ = run(_FailingFetch(engine, -1), after)
+    assert "error" in reasons and reasons[-1] == "length", reasons
 
 
 def test_insert_overwrites_every_array_of_a_poisoned_slot(tiny):

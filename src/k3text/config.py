@@ -66,7 +66,6 @@ _CHOICES = {
     "decode_sampling_strategy": ("greedy", "weighted", "topk", "nucleus", "composite"),
     "tokenizer_type": ("none", "byte", "tiktoken"),
     "jax_cpu_collectives": ("gloo", "mpi", "none"),
-    "corpus": ("facts",),
 }
 
 
@@ -306,14 +305,6 @@ class Config(_Section):
         """How many ways the logical axis `logical` is split on the configured mesh."""
         axes = self.logical_axis_rules.get(logical, ())
         return math.prod(self.mesh_shape[a] for a in axes)
-
-    @property
-    def num_kda_heads(self) -> int:
-        return self.linear_attn_config.num_heads
-
-    @property
-    def kda_head_dim(self) -> int:
-        return self.linear_attn_config.head_dim
 
     @property
     def mla_latent_dim(self) -> int:
@@ -697,8 +688,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             model_file = (file.parent / flat["model_config"]).resolve()
     cli = dict(_parse_override(item) for item in overrides)
     cli.update(kwargs)
-    if "model_config" in cli:  # pragma: no cover - documented for completeness
-        model_file = Path(cli.pop("model_config")).resolve()
     if model_file is not None:
         for file, flat in _file_chain(model_file):
             _apply(values, flat, str(file))

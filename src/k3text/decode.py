@@ -6,8 +6,8 @@ grain pipeline) -> `Engine.decode_batch` (chunked prefill, insert into a pool of
 on-device decode loop with per-slot sampling) -> JSONL results and a summary.
 
 Prompt sources, in order of precedence: `prompts_file`, `prompt_ids`, `prompt`,
-`builtin_prompts` (the shipped model's fact prompts, scored). With none given, the built-in set
-is used when the model ships one, else a single default prompt.
+`builtin_prompts` (the corpus's fact prompts, scored; the shipped config sets it). With none
+given, a single default prompt.
 """
 
 from __future__ import annotations

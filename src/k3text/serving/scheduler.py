@@ -170,6 +170,7 @@ class Scheduler:
         # dispatched (one process only: several fetch results in lockstep with each call).
         self._overlap = cfg.serve_overlap and jax.process_count() == 1
         self._in_flight_call: _InFlight | None = None
+        self._delivering: _InFlight | None = None  # the call whose tokens are being delivered
         self.prefix_cache: PrefixCache | None = None
         self._cache_seen = (0, 0, 0)  # the cache's (hits, queried, evictions) in the metrics
 
@@ -251,7 +252,7 @@ class Scheduler:
                 self._fail_all("internal error in the scheduler")
 
     def _cancel_everything(self) -> None:  # under _cv, on the scheduler thread
-        for r in [*self._waiting, *self.decoding().values(),
+        for r in [*self._waiting, *self._holding(),
                   *(self._prefill.live if self._prefill else [])]:
             r.cancelled = True
 
@@ -269,6 +270,13 @@ class Scheduler:
         inserts included (they join `_decoding` when its tokens are delivered)."""
         pending = self._in_flight_call.inserted if self._in_flight_call else []
         return self._decoding | {r.slot: r for _, r in pending}
+
+    def _holding(self) -> list[Request]:
+        """Every request a slot is decoding for, or was until it was handed over early: unlike
+        `decoding`, a request whose slot already went to a row the in-flight call inserts is
+        here beside that row, as is a row of the call being delivered that has not joined."""
+        calls = [c for c in (self._in_flight_call, self._delivering) if c is not None]
+        return [*self._decoding.values(), *(r for c in calls for _, r in c.inserted)]
 
     def _update_gauges(self) -> None:
         m = self.metrics
@@ -534,9 +542,9 @@ class Scheduler:
             self._fail_all("internal error during decoding")
             return 0
         call = _InFlight(tokens, owners, job, dispatch_seconds=time.perf_counter() - began)
-        call.inserted = list(zip(ready, self._take_rows(job, ready), strict=True))
         job.start += width
-        self._cache_blocks(job)
+        self._cache_blocks(job)  # before the rows it ends leave the job, their chains with them
+        call.inserted = list(zip(ready, self._take_rows(job, ready), strict=True))
         if not job.live:
             self._prefill = None
         self._dispatched(call)
@@ -563,12 +571,16 @@ class Scheduler:
         previous, self._in_flight_call = self._in_flight_call, None
         if previous is not None:
             self._in_flight_call = call  # failing, previous's delivery fails this call as well
+            self._delivering = previous  # until its rows have joined, whatever fails
             self._deliver_call(previous)
+            self._delivering = None
             if self._in_flight_call is not call:
                 return
         self._in_flight_call = call if self._overlap else None
         if call is not None and not self._overlap:
+            self._delivering = call
             self._deliver_call(call)
+            self._delivering = None
 
     def _deliver_call(self, call: _InFlight) -> None:
         """A decode call's tokens to the requests that were decoding in it, then to the rows
@@ -685,9 +697,11 @@ class Scheduler:
 
     def _fail_all(self, message: str, also: Sequence[Request] = ()) -> None:
         """After a failed pool call the pool's buffers are gone: fail every request holding a
-        slot (and `also`: rows a failed call was inserting) and start from an empty pool."""
-        victims = [*self.decoding().values(), *also]
-        self._in_flight_call = None
+        slot (and `also`: rows a failed call was inserting) and start from an empty pool. The
+        prefix cache starts empty too: a store saved from a failed call's outputs may hold
+        them."""
+        victims = [*self._holding(), *also]
+        self._in_flight_call = self._delivering = None
         if self._prefill is not None:
             victims += self._prefill.live
             for i in range(len(self._prefill.rows)):
@@ -703,3 +717,6 @@ class Scheduler:
             self._pool = self.engine.new_pool(self.num_slots)
         except Exception:
             log.exception("could not allocate a new slot pool; /health now answers 503")
+        if self.prefix_cache is not None:
+            self._reset_prefix_cache()
+        self._update_gauges()
