@@ -191,17 +191,36 @@ def test_the_scheduler_prefills_through_buckets_like_whole_chunks(tiny):
         np.testing.assert_allclose(whole["lps"], narrow["lps"], atol=1e-4)  # shape rounding
 
 
-class _Recording:
-    """An engine whose decode calls record when they are dispatched and when their tokens
-    reach the host."""
+class _FetchHook:
+    """An engine whose decode calls' `Later`s pass through `hooked` as they are dispatched."""
 
     def __init__(self, engine):
-        self._engine, self.events = engine, []
+        self._engine = engine
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def _recorded(self, later):
+    def hooked(self, later):
+        return later
+
+    def dispatch_generate(self, *args, **kwargs):
+        pool, later = self._engine.dispatch_generate(*args, **kwargs)
+        return pool, self.hooked(later)
+
+    def dispatch_decode_and_prefill(self, *args, **kwargs):
+        pool, prefix, later = self._engine.dispatch_decode_and_prefill(*args, **kwargs)
+        return pool, prefix, self.hooked(later)
+
+
+class _Recording(_FetchHook):
+    """An engine whose decode calls record when they are dispatched and when their tokens
+    reach the host."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.events = []
+
+    def hooked(self, later):
         number = sum(event == "dispatch" for event, _ in self.events)
         self.events.append(("dispatch", number))
         get = later.get
@@ -212,14 +231,6 @@ class _Recording:
 
         later.get = fetched
         return later
-
-    def dispatch_generate(self, *args, **kwargs):
-        pool, later = self._engine.dispatch_generate(*args, **kwargs)
-        return pool, self._recorded(later)
-
-    def dispatch_decode_and_prefill(self, *args, **kwargs):
-        pool, prefix, later = self._engine.dispatch_decode_and_prefill(*args, **kwargs)
-        return pool, prefix, self._recorded(later)
 
 
 def test_overlapped_calls_deliver_what_synchronous_calls_deliver(tiny, monkeypatch):
@@ -263,17 +274,15 @@ def test_overlapped_calls_deliver_what_synchronous_calls_deliver(tiny, monkeypat
         np.testing.assert_allclose(overlapped["lps"], sync["lps"], atol=1e-4)
 
 
-class _FailingFetch:
+class _FailingFetch(_FetchHook):
     """An engine whose `fail_at`-th fetched decode call raises when its tokens are fetched, as
     a device error surfaces (-1: none fails); counts the fetches."""
 
     def __init__(self, engine, fail_at: int):
-        self._engine, self.fail_at, self.fetches = engine, fail_at, 0
+        super().__init__(engine)
+        self.fail_at, self.fetches = fail_at, 0
 
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def _failing(self, later):
+    def hooked(self, later):
         get = later.get
 
         def fetched():
@@ -284,14 +293,6 @@ class _FailingFetch:
 
         later.get = fetched
         return later
-
-    def dispatch_generate(self, *args, **kwargs):
-        pool, later = self._engine.dispatch_generate(*args, **kwargs)
-        return pool, self._failing(later)
-
-    def dispatch_decode_and_prefill(self, *args, **kwargs):
-        pool, prefix, later = self._engine.dispatch_decode_and_prefill(*args, **kwargs)
-        return pool, prefix, self._failing(later)
 
 
 def test_a_failure_at_any_call_finishes_every_request_and_the_server_goes_on(tiny,
