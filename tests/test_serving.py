@@ -90,6 +90,34 @@ def test_the_leader_engine_makes_dispatched_calls_whole(tiny, monkeypatch):
     assert sent == ["new_pool", "generate"]
 
 
+def test_a_follower_goes_on_after_a_call_fails(monkeypatch):
+    """A call that fails on a follower failed on process 0 too, whose scheduler recovers with
+    more calls (a new pool): the follower logs the failure and makes them, instead of leaving
+    process 0 waiting on a peer that is gone."""
+    import pickle
+
+    from k3text.serving import multihost
+
+    messages = [("generate", [], {}), ("new_pool", [3], {}), ("release", [], {}),
+                (multihost._STOP, [], {})]
+    monkeypatch.setattr(multihost, "_broadcast", lambda _: pickle.dumps(messages.pop(0)))
+
+    class Engine:
+        made = []
+
+        def generate(self):
+            raise RuntimeError("injected device failure")
+
+        def new_pool(self, slots):
+            self.made.append(("new_pool", slots))
+
+        def release(self):
+            self.made.append("release")
+
+    assert multihost.follow(Engine()) == 3
+    assert Engine.made == [("new_pool", 3), "release"]
+
+
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_a_chunk_riding_a_decode_step_equals_separate_calls(tiny, scan_layers):
     """`decode_and_prefill` (one decode step for the pool with a prefill chunk in the same

@@ -121,7 +121,9 @@ class LeaderEngine:
 
 def follow(engine: Engine) -> int:
     """Make process 0's engine calls on this process's `engine` until it stops; returns the
-    number of calls made."""
+    number of calls made. A call that fails here failed on process 0 as well (the same program
+    on the same inputs): its scheduler fails the requests and starts again from a new pool,
+    a call like any other, so this process logs the failure and follows on."""
     latest: dict[str, Any] = {}
     calls = 0
 
@@ -133,7 +135,11 @@ def follow(engine: Engine) -> int:
         if method == _STOP:
             log.info("process 0 stopped serving after %d engine calls", calls)
             return calls
-        result = getattr(engine, method)(*[decode(a) for a in args],
-                                         **{k: decode(v) for k, v in kwargs.items()})
-        latest.update(_returned(result))
         calls += 1
+        try:
+            result = getattr(engine, method)(*[decode(a) for a in args],
+                                             **{k: decode(v) for k, v in kwargs.items()})
+        except Exception:
+            log.exception("engine call %s failed; following process 0's recovery", method)
+            continue
+        latest.update(_returned(result))
