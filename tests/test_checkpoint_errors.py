@@ -124,9 +124,33 @@ def _no_config_json(hf_dir):
     return hf_dir / "config.json", "missing"
 
 
+def _config_json_edit(change):
+    def breakage(hf_dir):
+        path = hf_dir / "config.json"
+        config = json.loads(path.read_text())
+        message = change(config.get("text_config", config))
+        path.write_text(json.dumps(config))
+        return path, message
+    breakage.__name__ = change.__name__
+    return breakage
+
+
+@_config_json_edit
+def _null_quantization_groups(config):
+    config["quantization_config"] = {"config_groups": []}  # a list where an object belongs
+    return "a field has the wrong type"
+
+
+@_config_json_edit
+def _string_width(config):
+    config["hidden_size"] = "64"
+    return "hidden_size"
+
+
 @pytest.mark.parametrize("breakage", [_truncate, _corrupt_header, _missing_shard, _wrong_shape,
                                       _wrong_dtype, _unexpected_key, _missing_tensor,
-                                      _no_config_json], ids=lambda f: f.__name__[1:])
+                                      _no_config_json, _null_quantization_groups,
+                                      _string_width], ids=lambda f: f.__name__[1:])
 def test_broken_checkpoint_is_one_line_naming_tensor_and_file(hf_dir, tmp_path, capsys,
                                                                breakage):
     culprit, message = breakage(hf_dir)

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +32,8 @@ def test_overrides_nested_keys_and_types():
     assert cfg.routed_scaling_factor == 2.0 and isinstance(cfg.routed_scaling_factor, float)
     assert cfg.prompt == "123"
     assert "linear_attn_config.num_heads" in cfg.explicit_keys
+    # YAML 1.1 reads 1e-3 as text (no dot, no exponent sign): a float key takes it as a number.
+    assert load_config(None, ["learning_rate=1e-3"]).learning_rate == 0.001
     with pytest.raises(AttributeError):
         cfg.hidden_size = 3
 
@@ -88,14 +91,21 @@ def test_paths_in_files_are_relative_to_the_file(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = load_config(sub / "paths.yml", ["prompts_file=prompts.jsonl"])
     assert cfg.tokenizer_path == str(tmp_path / "assets" / "tok.model")
-    assert cfg.output_file == "/abs/out.jsonl" and cfg.compilation_cache_dir == "~/cache"
+    assert cfg.output_file == "/abs/out.jsonl"
+    assert cfg.compilation_cache_dir == str(Path.home() / "cache")
     assert cfg.prompts_file == "prompts.jsonl"  # command line: the working directory's
+    # `~` on the command line too (a shell leaves it alone after `key=`).
+    assert load_config(None, ["output_file=~/o.jsonl"]).output_file == str(Path.home() / "o.jsonl")
 
 
 def test_checkpoint_model_config_takes_precedence(tmp_path):
+    import yaml
+
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "model.yml").write_text("hidden_size: 96\nmodel_name: stored\n")
+    stored = load_config(ROOT / "configs/inference/cpu.yml").model_dict()  # as a save writes it
+    stored.update(hidden_size=96, model_name="stored")
+    (ckpt / "model.yml").write_text(yaml.safe_dump(stored))
     cfg = load_config(ROOT / "configs/inference/cpu.yml", [f"load_parameters_path={ckpt}"])
     assert cfg.hidden_size == 96 and cfg.model_name == "stored"
     with pytest.raises(ConfigError, match="'hidden_size=64' on the command line disagrees"):

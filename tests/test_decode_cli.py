@@ -53,6 +53,8 @@ def test_prompts_file_keeps_input_order_across_batches(config, tmp_path):
     ('{"prompt_ids": [1, "x"]}\n', "prompts.jsonl:1: \"prompt_ids\" must be a non-empty list"),
     ('{"text": "no"}\n', "prompts.jsonl:1: each line must be an object with exactly one of"),
     ('{"prompt": "ok", "expected": 3}\n', "prompts.jsonl:1: \"expected\" must be a string"),
+    ('{"prompt": "ok", "expect": "x"}\n', "prompts.jsonl:1: unknown field(s) 'expect'"),
+    ('{"prompt": ""}\n', "prompts.jsonl:1: \"prompt\" is empty"),
 ])
 def test_malformed_prompts_file_names_the_line(config, tmp_path, capsys, content, message):
     prompts = tmp_path / "prompts.jsonl"
@@ -67,7 +69,7 @@ def test_malformed_prompts_file_names_the_line(config, tmp_path, capsys, content
     (["prompt_ids=1,2,3", "max_decode_steps=200"], "exceeds max_target_length=128"),
     (["prompt_ids=" + ",".join(["7"] * 65)], "more than max_prefill_predict_length=64"),
     (["prompt=hi", "tokenizer_type=none"], "prompt is text but tokenizer_type is 'none'"),
-    (["prompt_ids=1,x"], "expected comma-separated token ids"),
+    (["prompt_ids=1,x"], "expected token ids separated by commas or spaces"),
     (["prompt_ids=1,999"], "outside [0, vocab_size=260)"),
 ])
 def test_user_errors_exit_2_with_one_message(config, capsys, args, message):
@@ -76,11 +78,46 @@ def test_user_errors_exit_2_with_one_message(config, capsys, args, message):
     assert message in err[-1] and err[-1].startswith("error: ")
 
 
+def test_ids_separate_by_commas_or_spaces():
+    from k3text.decode import parse_ids
+
+    assert parse_ids("1,2,3", "x") == parse_ids("1 2 3", "x") == parse_ids(" 1, 2 ,3 ", "x") \
+        == (1, 2, 3)
+
+
+def test_prompts_are_checked_before_any_weight_loads(config, tmp_path, capsys, monkeypatch):
+    from k3text import decode
+
+    monkeypatch.setattr(decode, "build", lambda cfg: pytest.fail("the weights were loaded"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n\n{"prompt_ids": [1, 999]}\n')
+    assert main([config, f"prompts_file={prompts}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: {prompts}:3 has token ids outside"), err
+
+
+def test_an_output_file_is_replaced_only_when_asked_and_never_the_prompts(config, tmp_path,
+                                                                           capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    out = tmp_path / "out.jsonl"
+    out.write_text("earlier results\n")
+    assert main([config, f"prompts_file={prompts}", f"output_file={out}"]) == 2
+    assert "already exists; set output_overwrite=true" in capsys.readouterr().err
+    assert out.read_text() == "earlier results\n"
+    assert main([config, f"prompts_file={prompts}", f"output_file={prompts}",
+                 "output_overwrite=true"]) == 2
+    assert "is the prompts_file" in capsys.readouterr().err
+    assert prompts.read_text() == '{"prompt_ids": [1, 2]}\n'
+    assert main([config, f"prompts_file={prompts}", f"output_file={out}",
+                 "output_overwrite=true"]) == 0
+    assert read(out)[0]["prompt_ids"] == [1, 2]
+
+
 def test_tokenizer_defaults_to_the_one_shipped_with_the_checkpoint(tmp_path):
     from k3text.config import load_config
     from k3text.decode import tokenizer_path
 
-    (tmp_path / "model.yml").write_text("model_name: shipped\n")
     (tmp_path / "tiktoken.model").write_text("")
     cfg = load_config(MODELS / "k3-tiny.yml", [f"load_parameters_path={tmp_path}",
                                                 "tokenizer_type=tiktoken"])

@@ -215,12 +215,14 @@ def test_tokamax_mosaic_in_pallas_interpret_mode_matches_the_float64_recurrence(
 
 def test_chunked_with_one_sub_chunk_per_chunk_matches_the_float64_recurrence():
     """Chunks that are a single sub-chunk (no below-diagonal blocks, the whole chunk pairwise or
-    as products) against the float64 recurrence, as the harness checks four sub-chunks of 16."""
+    as products, down to one and two tokens) against the float64 recurrence, as the harness
+    checks four sub-chunks of 16."""
     (q, k, v, g, beta), s0 = harness_inputs(200, jnp.float32, seed=3)
     o_ref, s_ref = reference_f64(q, k, v, g, beta, s0)
     form = _jit(kda_chunked, static_argnames=("chunk_size", "sub_chunk_size", "gate_lower_bound",
                                               "precision"))
-    for chunk, bound, rows in ((64, None, [0, 1, 2, 3]), (16, K3_BOUND, [0, 2, 3])):
+    for chunk, bound, rows in ((64, None, [0, 1, 2, 3]), (16, K3_BOUND, [0, 2, 3]),
+                               (1, K3_BOUND, [0, 2, 3]), (2, K3_BOUND, [0, 2, 3])):
         o, s = form(q, k, v, g, beta, s0, chunk_size=chunk, sub_chunk_size=chunk,
                     gate_lower_bound=bound, precision=HIGHEST)
         np.testing.assert_allclose(np.asarray(o)[rows], o_ref[rows], rtol=5e-5, atol=5e-5)

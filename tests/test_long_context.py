@@ -82,6 +82,21 @@ def test_the_split_merge_equals_the_reference_on_random_rows(cache_seq):
     np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
 
 
+def test_a_float8_cache_saturates_instead_of_writing_nan():
+    """float8_e4m3fn has no infinity: a plain cast of 465 or more is NaN, which every later
+    step attending to the row would read. Rows written to a float8 cache saturate at 448."""
+    import ml_dtypes
+
+    latent = jnp.asarray([[1e4, -600.0, 3.0, 448.0]], jnp.float32)
+    cache = jnp.zeros((1, 2, 4), jnp.float8_e4m3fn)
+    written = np.asarray(mla_ops.write_rows(cache, latent, jnp.asarray([1])), np.float32)
+    expected = np.asarray([448.0, -448.0, 3.0, 448.0], ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(written[0, 1], expected.astype(np.float32))
+    assert np.isnan(np.asarray(latent.astype(jnp.float8_e4m3fn), np.float32)).any()  # the cast
+    wide = mla_ops.to_cache_dtype(latent, jnp.float32)  # other dtypes as they are
+    np.testing.assert_array_equal(np.asarray(wide), np.asarray(latent))
+
+
 def test_the_compiled_decode_step_never_moves_the_cache():
     """8 devices, a 4,096-position cache: the decode step's collectives are the activations'
     and, per MLA layer, the query gather, the max and the merged sums — none of them anywhere

@@ -112,6 +112,25 @@ def test_kernel_matches_float64_sum(case, implementation, layout, k):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("implementation", ["reference", "gathered"])
+def test_an_expert_no_token_routes_to_adds_nothing_even_when_not_finite(implementation):
+    """Expert 3's weights are NaN and no slot routes to it: the reference, which computes every
+    held expert, gives the float64 sum of the others as the hit-experts kernel does (a zero
+    weight times NaN must not get through). `grouped` is left out: XLA:CPU's ragged_dot
+    computes every group for every row and masks by multiplying."""
+    rng = np.random.default_rng(4)
+    arrays, gate_up, down = random_experts("bf16", rng)
+    arrays = {name: a.at[3].set(jnp.nan) for name, a in arrays.items()}
+    x = rng.normal(size=(TOKENS, HIDDEN))
+    ids = rng.integers(0, 3, (TOKENS, 2)).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (TOKENS, 2))
+    got = experts.routed_experts(jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32),
+                                 jnp.asarray(ids), LayerExperts.of(arrays), ffn=FFN,
+                                 implementation=implementation)
+    expected = np_routed(x, weights, ids, gate_up, down)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
 @pytest.mark.parametrize("layout", ["stacked", "split"])
 def test_gathered_with_every_expert_held_skips_nothing(case, layout):
     """`all_ids_held` drops the gathered kernel's per-slot test: with ids all in range the sum

@@ -46,6 +46,18 @@ def test_decode_refuses_an_unwritable_output_before_loading_anything(tmp_path, c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
 
 
+def test_a_staged_directory_replaces_what_a_link_points_to_and_keeps_the_link(tmp_path):
+    target, link = tmp_path / "v1", tmp_path / "current"
+    target.mkdir()
+    (target / "old").write_text("old")
+    link.symlink_to(target)
+    with files.staged_directory(link, replace=True) as (staging, staged):
+        (staging / "new").write_text("new")
+    assert staged.completed and link.is_symlink() and link.resolve() == target
+    assert sorted(p.name for p in target.iterdir()) == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "v1"]  # nothing left
+
+
 def test_check_output_file_accepts_new_directories_and_leaves_nothing(tmp_path):
     target = tmp_path / "a" / "b" / "out.jsonl"
     assert files.check_output_file(target) == target
@@ -214,6 +226,30 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_array(saved, tmp_path, caps
     last = text.strip().splitlines()[-1]
     assert rc == 2 and not output.exists()
     assert last.startswith("error: ") and name in last and "damaged" in last, last
+
+
+@pytest.mark.parametrize("content", ["", "{", '{"tree_metadata": 3}'])
+def test_a_damaged_parameter_tree_is_one_line_naming_its_file(saved, tmp_path, capsys,
+                                                               content):
+    path = Path(shutil.copytree(saved, tmp_path / "ckpt"))
+    (path / store.PARAMS_DIR / "_METADATA").write_text(content)
+    rc = decode.main([str(MODELS / "k3-tiny.yml"), f"load_parameters_path={path}",
+                      "prompt_ids=5,6,7", "max_decode_steps=2", "progress=false"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith(f"error: {path / store.PARAMS_DIR / '_METADATA'}: "
+                                       f"damaged"), last
+
+
+@pytest.mark.parametrize("content", ["", "# nothing\n", "hidden_size: 64\n"])
+def test_a_checkpoint_model_file_without_its_keys_is_one_line(saved, tmp_path, capsys, content):
+    """An empty, comment-only or partial model.yml is a damaged checkpoint, said before any
+    weight is read (not a model of base.yml's defaults, nor a traceback)."""
+    path = Path(shutil.copytree(saved, tmp_path / "ckpt"))
+    (path / "model.yml").write_text(content)
+    rc = decode.main([str(MODELS / "k3-tiny.yml"), f"load_parameters_path={path}",
+                      "prompt_ids=5,6,7", "max_decode_steps=2", "progress=false"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith(f"error: {path / 'model.yml'} lacks"), last
 
 
 def test_an_undamaged_checkpoint_without_checksums_still_loads(saved, tmp_path):
@@ -497,6 +533,20 @@ def test_training_checks_checkpoint_dir_and_tokenizer_path_first(tmp_path, capsy
                        "export_path=", "checkpoint_dir="]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: tiktoken BPE file {tmp_path} is a directory; give the file")
+    # A tokenizer to train where none can be written: said before the BPE trains.
+    bpe = train.train_bpe
+    train.train_bpe = lambda *a: pytest.fail("trained before checking where the result goes")
+    try:
+        with pytest.raises(ConfigError, match="tokenizer_path .*file is not a directory"):
+            train.train(cfg.replace(checkpoint_dir="", tokenizer_path=str(
+                tmp_path / "file" / "tok.model")))
+    finally:
+        train.train_bpe = bpe
+    # An export replaces its whole directory: it may not hold the training checkpoints.
+    for export, checkpoints in (("run", "run"), ("run", "run/ckpt"), ("run/export", "run")):
+        with pytest.raises(ConfigError, match="overlap"):
+            train.train(cfg.replace(export_path=str(tmp_path / export),
+                                    checkpoint_dir=str(tmp_path / checkpoints)))
 
 
 def test_training_zero_steps_trains_nothing(tmp_path):

@@ -171,6 +171,11 @@ def _coerce(key: str, value: Any, where: str) -> Any:
             raise bad
         return value
     if isinstance(default, float):
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot, no exponent sign) as text
+            try:
+                value = float(value)
+            except ValueError:
+                raise bad from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
         try:
@@ -650,26 +655,34 @@ def _apply(values: dict[str, Any], flat: Mapping[str, Any], where: str,
 
 
 def checkpoint_model_config(path: str | os.PathLike) -> dict[str, Any] | None:
-    """The flat model keys stored with a converted checkpoint, or None when it has none."""
+    """The flat model keys stored with a converted checkpoint, or None when it has none. A
+    checkpoint stores every model key: one that lacks some is damaged, not a smaller model."""
     file = Path(path) / CHECKPOINT_MODEL_FILE
     if not file.exists():
         return None
-    return _flatten(_read_yaml(file))
+    stored = _flatten(_read_yaml(file))
+    missing = sorted(MODEL_KEYS - stored.keys())
+    if missing:
+        raise ConfigError(f"{file} lacks {len(missing)} of the model keys a checkpoint stores "
+                          f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); "
+                          f"the checkpoint is damaged or not k3text's")
+    return stored
 
 
 # Keys naming files or directories. A relative path written in a config file is relative to that
 # file (like base_config and model_config), so a config works from any working directory; one
-# given on the command line is relative to the working directory.
+# given on the command line is relative to the working directory. `~` is the home directory in
+# both (the shell expands it only on the command line, and only at a word's start).
 PATH_KEYS = frozenset({"load_parameters_path", "tokenizer_path", "prompts_file", "output_file",
                        "compilation_cache_dir", "checkpoint_dir", "export_path"})
 
 
 def _file_relative(flat: Mapping[str, Any], file: Path) -> dict[str, Any]:
     def resolve(value: Any) -> Any:
-        if not isinstance(value, str) or not value or value.startswith("~") \
-                or Path(value).is_absolute():
+        if not isinstance(value, str) or not value:
             return value
-        return str((file.parent / value).resolve())
+        value = os.path.expanduser(value)
+        return value if Path(value).is_absolute() else str((file.parent / value).resolve())
 
     return {k: resolve(v) if k in PATH_KEYS else v for k, v in flat.items()}
 
@@ -688,6 +701,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             model_file = (file.parent / flat["model_config"]).resolve()
     cli = dict(_parse_override(item) for item in overrides)
     cli.update(kwargs)
+    cli = {k: os.path.expanduser(v) if k in PATH_KEYS and isinstance(v, str) else v
+           for k, v in cli.items()}
     if model_file is not None:
         for file, flat in _file_chain(model_file):
             _apply(values, flat, str(file))

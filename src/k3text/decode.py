@@ -33,7 +33,7 @@ from tqdm import tqdm  # noqa: E402
 
 from k3text import files, sharding  # noqa: E402
 from k3text.config import Config, ConfigError  # noqa: E402
-from k3text.inference.engine import Engine, Generation, place_model  # noqa: E402
+from k3text.inference.engine import Engine, Generation, check_prompts, place_model  # noqa: E402
 from k3text.inference.prefix_cache import PrefixCache  # noqa: E402
 from k3text.layers.initializers import Init  # noqa: E402
 from k3text.models.decoder import Decoder  # noqa: E402
@@ -49,6 +49,7 @@ class Request:
     prompt_ids: tuple[int, ...]
     prompt: str | None = None  # the text, when the prompt came as text
     expected: str | None = None  # the known answer (built-in prompts, "expected" in a file)
+    where: str = "prompt"  # where it came from, for errors ("prompts.jsonl:3", "prompt_ids")
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,10 +58,12 @@ class Request:
 
 
 def parse_ids(text: str, where: str) -> tuple[int, ...]:
+    """Token ids separated by commas and/or spaces ("1,2,3", "1, 2, 3", "1 2 3")."""
     try:
-        ids = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
+        ids = tuple(int(t) for t in text.replace(",", " ").split())
     except ValueError:
-        raise ConfigError(f"{where}: expected comma-separated token ids, got {text!r}") from None
+        raise ConfigError(f"{where}: expected token ids separated by commas or spaces, got "
+                          f"{text!r}") from None
     if not ids:
         raise ConfigError(f"{where}: no token ids in {text!r}")
     return ids
@@ -75,6 +78,9 @@ def _encode(text: str, tokenizer: Tokenizer | None, cfg: Config, where: str) -> 
         bos = tokenizer.bos_id if tokenizer.bos_id is not None else cfg.bos_token_id
         ids = [bos, *ids]
     return tuple(ids)
+
+
+PROMPT_FIELDS = frozenset({"prompt", "prompt_ids", "expected"})
 
 
 def read_prompts_file(path: str, tokenizer: Tokenizer | None, cfg: Config) -> list[Request]:
@@ -104,17 +110,23 @@ def read_prompts_file(path: str, tokenizer: Tokenizer | None, cfg: Config) -> li
         if not isinstance(record, dict) or ("prompt" in record) == ("prompt_ids" in record):
             raise ConfigError(f"{where}: each line must be an object with exactly one of "
                               f"\"prompt\" (string) or \"prompt_ids\" (list of int)")
+        unknown = sorted(record.keys() - PROMPT_FIELDS)
+        if unknown:  # a misspelt "expected" would leave the answer unscored
+            raise ConfigError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; a "
+                              f"line holds \"prompt\" or \"prompt_ids\", and \"expected\"")
         if "prompt_ids" in record:
             ids = record["prompt_ids"]
             if not isinstance(ids, list) or not ids or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ConfigError(f"{where}: \"prompt_ids\" must be a non-empty list of int")
-            request = Request(len(requests), tuple(ids))
+            request = Request(len(requests), tuple(ids), where=where)
         else:
             if not isinstance(record["prompt"], str):
                 raise ConfigError(f"{where}: \"prompt\" must be a string")
+            if not record["prompt"]:
+                raise ConfigError(f"{where}: \"prompt\" is empty")
             request = Request(len(requests), _encode(record["prompt"], tokenizer, cfg, where),
-                              record["prompt"])
+                              record["prompt"], where=where)
         if "expected" in record:
             if not isinstance(record["expected"], str):
                 raise ConfigError(f"{where}: \"expected\" must be a string")
@@ -128,7 +140,8 @@ def read_prompts_file(path: str, tokenizer: Tokenizer | None, cfg: Config) -> li
 def builtin_requests(cfg: Config, tokenizer: Tokenizer | None) -> list[Request]:
     from k3text import corpus
 
-    return [Request(i, _encode(text, tokenizer, cfg, "built-in prompt"), text, expected)
+    return [Request(i, _encode(text, tokenizer, cfg, "built-in prompt"), text, expected,
+                    where=f"built-in prompt {i}")
             for i, (text, expected) in enumerate(corpus.builtin_prompts(cfg.corpus_seed))]
 
 
@@ -136,7 +149,7 @@ def collect_requests(cfg: Config, tokenizer: Tokenizer | None) -> list[Request]:
     if cfg.prompts_file:
         return read_prompts_file(cfg.prompts_file, tokenizer, cfg)
     if cfg.prompt_ids:
-        return [Request(0, parse_ids(cfg.prompt_ids, "prompt_ids"))]
+        return [Request(0, parse_ids(cfg.prompt_ids, "prompt_ids"), where="prompt_ids")]
     if cfg.prompt:
         return [Request(0, _encode(cfg.prompt, tokenizer, cfg, "prompt"), cfg.prompt)]
     if cfg.builtin_prompts:
@@ -278,13 +291,27 @@ def tokenizer_path(cfg: Config) -> str | None:
     return None
 
 
+def check_output_file(cfg: Config) -> None:
+    """Before any work: `output_file` can be written, replaces an existing file only with
+    `output_overwrite`, and is never the prompts file it would replace with results."""
+    path = files.check_output_file(cfg.output_file)
+    if cfg.prompts_file and path.exists() and path.samefile(cfg.prompts_file):
+        raise ConfigError(f"output_file {cfg.output_file} is the prompts_file; writing the "
+                          f"results there would replace the prompts")
+    if path.exists() and not cfg.output_overwrite:
+        raise ConfigError(f"output_file {cfg.output_file} already exists; set "
+                          f"output_overwrite=true to replace it, or give another output_file")
+
+
 def run(cfg: Config) -> list[dict[str, Any]]:
     if cfg.output_file and jax.process_index() == 0:  # before any work, not after all of it
-        files.check_output_file(cfg.output_file)
+        check_output_file(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_path(cfg))
     requests = collect_requests(cfg, tokenizer)
+    # Before the weights load (for K3, a long restore): the config alone decides.
+    check_prompts(cfg, [r.prompt_ids for r in requests], cfg.max_decode_steps,
+                  [r.where for r in requests])
     engine, ctx = build(cfg)
-    engine.check_prompts([r.prompt_ids for r in requests], cfg.max_decode_steps)
     batch = cfg.global_batch_size
     groups = [[r.prompt_ids for r in group] for group in batches(requests, batch)]
     # Only the prefill widths these prompts run, where the driver can tell them in advance.

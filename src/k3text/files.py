@@ -137,9 +137,12 @@ def staged_directory(out: str | os.PathLike, replace: bool = False,
     replaced only once the new one is complete. On any exception (KeyboardInterrupt and
     SystemExit included) the temporary directory is removed, with signals held off so cleanup
     finishes, and `out` is left as it was. The returned `Staged` says whether the rename
-    happened, so an interrupt that lands after it can be reported as what it is.
+    happened, so an interrupt that lands after it can be reported as what it is. When `out` is
+    a symbolic link, the directory it points to is what is replaced: the link stays.
     """
     out = Path(out)
+    if out.is_symlink():
+        out = out.resolve()
     if out.exists() and not out.is_dir():  # not replaced even when asked: a mistyped path
         raise OutputError(f"{out} is a file, not a directory; give a directory path")
     if out.exists() and not replace:

@@ -21,6 +21,8 @@ from typing import Protocol, runtime_checkable
 import regex
 import tiktoken
 
+from k3text.files import write_atomically
+
 # Kimi K2's pre-tokenisation regex (tokenization_kimi.py). `&&` intersects character classes:
 # letters and marks other than Han, which the first alternative takes as whole runs.
 KIMI_PAT_STR = "|".join(
@@ -261,12 +263,13 @@ def read_tiktoken_bpe(path: str | os.PathLike[str]) -> dict[bytes, int]:
 
 
 def save_tiktoken_bpe(ranks: Mapping[bytes, int], path: str | os.PathLike[str]) -> None:
-    """Write `ranks` in the tiktoken BPE file format, in rank order."""
+    """Write `ranks` in the tiktoken BPE file format, in rank order (whole or not at all: a
+    later run must never read a file a signal cut short)."""
     lines = (
         base64.b64encode(token) + b" " + str(rank).encode() + b"\n"
         for token, rank in sorted(ranks.items(), key=itemgetter(1))
     )
-    Path(path).write_bytes(b"".join(lines))
+    write_atomically(path, lambda f: f.write(b"".join(lines)), binary=True)
 
 
 @lru_cache(maxsize=8)

@@ -77,7 +77,6 @@ def train_tokenizer(cfg: Config) -> None:
     ranks = train_bpe("\n".join(corpus_documents(cfg)),
                       cfg.vocab_size - len(DEFAULT_SPECIAL_TOKENS))
     path = Path(cfg.tokenizer_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     save_tiktoken_bpe(ranks, path)
     log.info("trained a %d-rank BPE on the corpus: %s", len(ranks), path)
 
@@ -205,21 +204,41 @@ def check_export_path(cfg: Config) -> None:
 
 
 def check_checkpoint_dir(cfg: Config) -> None:
-    """Before any work: `checkpoint_dir` is a directory or one this process can create (Orbax
-    would fail only at the first save, `checkpoint_every` steps in)."""
-    if cfg.checkpoint_dir:
-        _check_directory_target(cfg.checkpoint_dir, "checkpoint_dir")
+    """Before any work: `checkpoint_dir` is a directory this process can write in, or one it
+    can create (Orbax would fail only at the first save, `checkpoint_every` steps in), and it
+    neither holds nor lies inside `export_path`, whose replacement would take it along."""
+    if not cfg.checkpoint_dir:
+        return
+    _check_directory_target(cfg.checkpoint_dir, "checkpoint_dir")
+    if cfg.export_path:
+        checkpoints, export_to = (Path(p).resolve() for p in (cfg.checkpoint_dir,
+                                                              cfg.export_path))
+        if checkpoints == export_to or export_to in checkpoints.parents \
+                or checkpoints in export_to.parents:
+            raise ConfigError(f"export_path {cfg.export_path} and checkpoint_dir "
+                              f"{cfg.checkpoint_dir} overlap; an export replaces its whole "
+                              f"directory, so give them separate places")
+
+
+def check_tokenizer_path(cfg: Config) -> None:
+    """Before any work: a tokenizer the run will train (a tiktoken file that does not exist
+    yet) can be written where `tokenizer_path` says."""
+    if cfg.tokenizer_type == "tiktoken" and cfg.tokenizer_path \
+            and not Path(cfg.tokenizer_path).exists():
+        try:
+            files.check_output_file(cfg.tokenizer_path, "tokenizer_path")
+        except files.OutputError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _check_directory_target(value: str, key: str) -> None:
-    """The directory config key `key` names exists, or this process can create it."""
+    """The directory config key `key` names exists and this process can write in it, or it can
+    be created."""
     path = Path(value)
-    if path.exists():
-        if not path.is_dir():
-            raise ConfigError(f"{key} {value} is a file, not a directory")
-        return
-    try:
-        files.check_output_file(path, key)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key} {value} is a file, not a directory")
+    try:  # an existing directory: probe a file inside it; a new one: that it can be made
+        files.check_output_file(path / ".probe" if path.exists() else path, key)
     except files.OutputError as e:
         raise ConfigError(str(e)) from None
 
@@ -293,6 +312,7 @@ def train(cfg: Config) -> TrainResult:
                           f"({cfg.train_steps}): the schedule would never leave its warmup")
     check_export_path(cfg)
     check_checkpoint_dir(cfg)
+    check_tokenizer_path(cfg)
     tokenizer = training_tokenizer(cfg)
     graphdef, params = nnx.split(Decoder(trainable_config(cfg), Init(cfg.init_seed)))
     optimizer = make_optimizer(cfg, params)

@@ -71,8 +71,17 @@ def open_source(hf_dir: str | Path, model_config: str | Path | None = None) -> S
     config_json = _read_config_json(directory / CONFIG_JSON)
     checkpoint = SafetensorsCheckpoint(directory)
     layout = names.detect_layout(config_json, checkpoint.keys())
-    cfg = config_from_dict(hf_config.model_keys(config_json),
-                           weight_dtype=_weight_dtype(checkpoint, layout))
+    try:
+        keys = hf_config.model_keys(config_json)
+    except (TypeError, AttributeError, ValueError, IndexError, KeyError) as e:
+        # A section or value of the wrong JSON type ("text_config": null, a list where an
+        # object belongs): the mapping's own error says which, the file says where.
+        raise CheckpointError(f"{directory / CONFIG_JSON}: a field has the wrong type "
+                              f"({type(e).__name__}: {e})") from None
+    try:
+        cfg = config_from_dict(keys, weight_dtype=_weight_dtype(checkpoint, layout))
+    except ConfigError as e:
+        raise CheckpointError(f"{directory / CONFIG_JSON}: {e}") from None
     if model_config is not None:
         cfg = _agree(cfg, Path(model_config), directory / CONFIG_JSON)
     return Source(directory, checkpoint, layout, cfg)

@@ -62,7 +62,14 @@ from flax import nnx
 from k3text import files, sharding
 from k3text.checkpoint import hf
 from k3text.checkpoint.safetensors_io import CheckpointError
-from k3text.config import CHECKPOINT_MODEL_FILE, MODEL_KEYS, Config, ConfigError, config_from_dict
+from k3text.config import (
+    CHECKPOINT_MODEL_FILE,
+    MODEL_KEYS,
+    Config,
+    ConfigError,
+    checkpoint_model_config,
+    config_from_dict,
+)
 from k3text.layers.initializers import Init
 from k3text.models.decoder import Decoder
 from k3text.ops import mxfp4
@@ -237,8 +244,12 @@ def stored_arrays(path: str | os.PathLike) -> dict[str, jax.ShapeDtypeStruct]:
     params = Path(path) / PARAMS_DIR
     if not (params / "_METADATA").is_file():
         raise CheckpointError(f"{path}: not a k3text checkpoint (no {PARAMS_DIR}/_METADATA)")
-    tree = _checkpointer().metadata(params).item_metadata.tree
-    return {name: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype) for name, m in tree.items()}
+    try:
+        tree = _checkpointer().metadata(params).item_metadata.tree
+        return {name: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype) for name, m in tree.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON errors included
+        raise CheckpointError(f"{params / '_METADATA'}: damaged, the parameter tree cannot be "
+                              f"read ({type(e).__name__}: {e})") from None
 
 
 def check_stored_files(path: str | os.PathLike, names: Iterable[str]) -> None:
@@ -402,10 +413,10 @@ def load_model(cfg: Config, ctx: sharding.MeshContext, path: str | os.PathLike) 
 
 def _check_model_keys(cfg: Config, path: Path) -> None:
     """The checkpoint's model keys must be the config's (`load_config` makes them so)."""
-    stored = (path / CHECKPOINT_MODEL_FILE)
-    if not stored.is_file():
+    stored = checkpoint_model_config(path)
+    if stored is None:
         return
-    ckpt = config_from_dict(yaml.safe_load(stored.read_text()))
+    ckpt = config_from_dict(stored)
     differ = [f"{k} = {ckpt[k]!r} (config: {cfg[k]!r})"
               for k in sorted(MODEL_KEYS - {"model_name"}) if ckpt[k] != cfg[k]]
     if differ:

@@ -238,20 +238,7 @@ class Engine:
     # ---- public API -----------------------------------------------------------------------
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], steps: int) -> None:
-        cfg = self.cfg
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ConfigError(f"prompt {i} is empty")
-            if len(p) > cfg.max_prefill_predict_length:
-                raise ConfigError(f"prompt {i} has {len(p)} tokens, more than "
-                                  f"max_prefill_predict_length={cfg.max_prefill_predict_length}")
-            if len(p) + steps > cfg.max_target_length:
-                raise ConfigError(f"prompt {i} ({len(p)} tokens) + max_decode_steps={steps} "
-                                  f"exceeds max_target_length={cfg.max_target_length}")
-            bad = [t for t in p if not 0 <= t < cfg.vocab_size]
-            if bad:
-                raise ConfigError(f"prompt {i} has token ids outside [0, vocab_size="
-                                  f"{cfg.vocab_size}): {bad[:5]}")
+        check_prompts(self.cfg, prompts, steps)
 
     def chunk_width(self, remaining: int) -> int:
         """Tokens of the prefill call that runs a prompt's next `remaining` tokens: the
@@ -612,6 +599,27 @@ def prefill_chunk_program(graphdef: Any, params: Any, tokens: jax.Array, valid: 
     if slices:
         ends_here = jnp.broadcast_to(jnp.any(ends_here), ends_here.shape)
     return Prefix(jnp.where(ends_here[:, None], logits, prefix.logits), state)
+
+
+def check_prompts(cfg: Config, prompts: Sequence[Sequence[int]], steps: int,
+                  names: Sequence[str] | None = None) -> None:
+    """That each prompt fits the engine `cfg` builds with `steps` decode steps after it: the
+    config alone decides, so a driver checks before any weight is loaded. `names[i]` says where
+    prompt i came from (default "prompt i")."""
+    for i, p in enumerate(prompts):
+        name = names[i] if names is not None else f"prompt {i}"
+        if not p:
+            raise ConfigError(f"{name} is empty")
+        if len(p) > cfg.max_prefill_predict_length:
+            raise ConfigError(f"{name} has {len(p)} tokens, more than "
+                              f"max_prefill_predict_length={cfg.max_prefill_predict_length}")
+        if len(p) + steps > cfg.max_target_length:
+            raise ConfigError(f"{name} ({len(p)} tokens) + max_decode_steps={steps} exceeds "
+                              f"max_target_length={cfg.max_target_length}")
+        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"{name} has token ids outside [0, vocab_size="
+                              f"{cfg.vocab_size}): {bad[:5]}")
 
 
 def insert_program(pool: Pool, prefix: Prefix, slots: jax.Array, limit: jax.Array,

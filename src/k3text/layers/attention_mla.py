@@ -166,11 +166,12 @@ class MLAAttention(nnx.Module):
             if slices:
                 rows = sharding.constrain(latent.reshape(1, span, -1), (None, None, "kv_lora"))
                 cache = cache.at[:, start + jnp.arange(span)].set(
-                    jnp.broadcast_to(rows, (batch, *rows.shape[1:])).astype(cache.dtype),
+                    mla_ops.to_cache_dtype(jnp.broadcast_to(rows, (batch, *rows.shape[1:])),
+                                           cache.dtype),
                     mode="drop")
             else:
-                cache = jax.lax.dynamic_update_slice(cache, latent.astype(cache.dtype),
-                                                     (0, start, 0))
+                cache = jax.lax.dynamic_update_slice(
+                    cache, mla_ops.to_cache_dtype(latent, cache.dtype), (0, start, 0))
             keys_from = cache
             if split:  # pinned on both sides, or the partitioner gathers the cache a second time
                 keys_from = sharding.constrain(cache, ("batch", None, "kv_lora"))

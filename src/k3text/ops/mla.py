@@ -37,10 +37,21 @@ def implementation() -> str:
     return "sequence_sharded" if ctx is not None and ctx.size("cache_seq") > 1 else "replicated"
 
 
+def to_cache_dtype(latent: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`latent` as the cache stores it. A float8 cache saturates at its largest finite value:
+    float8_e4m3fn has no infinity, and a plain cast turns anything past it into NaN, which
+    would poison every later step that attends to the row."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        top = float(jnp.finfo(dtype).max)
+        latent = jnp.clip(latent, -top, top)
+    return latent.astype(dtype)
+
+
 def write_rows(cache: jax.Array, latent: jax.Array, positions: jax.Array) -> jax.Array:
     """cache [B, S, C] with row b's `latent[b]` at `positions[b]` (dropped past the end)."""
     rows = jnp.arange(cache.shape[0])
-    return cache.at[rows, positions].set(latent.astype(cache.dtype), mode="drop")
+    return cache.at[rows, positions].set(to_cache_dtype(latent, cache.dtype), mode="drop")
 
 
 def attention_reference(query: jax.Array, cache: jax.Array, positions: jax.Array, scale: float,

@@ -25,7 +25,8 @@ from k3text.config import Config, ConfigError, load_config
 def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config], Any]) -> int:
     """Run `body(config)` for `python -m PROG CONFIG [key=value ...]`: usage on -h, k3text's
     INFO log lines on stderr, and a user error (bad config, checkpoint, file or value) as one
-    line on stderr with exit status 2."""
+    line on stderr with exit status 2 (an operating-system error, such as a full disk, the same
+    with status 1)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     usage = f"usage: python -m {prog} CONFIG [key=value ...]"
     if argv and argv[0] in ("-h", "--help"):
@@ -49,6 +50,10 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
         print(f"error: {e}", file=sys.stderr)  # OutputError included (a ValueError)
         _quiet_from_here()
         return 2
+    except OSError as e:  # the machine's, not the input's (a full disk, a lost mount)
+        print(f"error: {e}", file=sys.stderr)
+        _quiet_from_here()
+        return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         _quiet_from_here()

@@ -21,4 +21,7 @@ def reference(x: jax.Array, weights: jax.Array, local_ids: jax.Array, experts: L
     # An id outside [0, held) has an all-zero one-hot row: experts held elsewhere add nothing.
     hits = jax.nn.one_hot(local_ids, experts.held, dtype=FP32)  # [N, k, held]
     combine = jnp.sum(weights.astype(FP32)[..., None] * hits, axis=1)  # [N, held]
-    return jnp.sum(combine[..., None] * y, axis=1)
+    # Selected, not multiplied by a zero weight: an expert no token routes to must add nothing
+    # even when its output is not finite, as in the kernels that never run it.
+    routed = jnp.any(hits > 0, axis=1)[..., None]  # [N, held, 1]
+    return jnp.sum(jnp.where(routed, combine[..., None] * y, 0.0), axis=1)

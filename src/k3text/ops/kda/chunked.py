@@ -128,7 +128,8 @@ def _chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: j
         # from it and a per-leaf vector, never passing through a value smaller than its own
         # (exp(G_i - R_leaf) formed on its own may be tiny, and times a factor up to
         # exp(S |lb| / 2) it would lose its digits).
-        middle = local[..., s // 2 - 1 : s // 2, :]
+        at = max(s // 2 - 1, 0)  # a leaf of one token is its own middle
+        middle = local[..., at : at + 1, :]
         from_middle = jnp.exp(local - middle)  # within exp(+-S |lb| / 2)
         keys = k / from_middle
         from_start = from_middle * jnp.exp(middle)  # exp(G_i - R_leaf) <= 1
