@@ -516,6 +516,27 @@ def test_make_tiny_checkpoint_refuses_meaningless_counts(tmp_path, capsys, args,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("stop,status", [(KeyboardInterrupt, 130),
+                                         (SystemExit(128 + signal.SIGTERM), 143)])
+def test_make_tiny_checkpoint_checks_its_output_first_and_leaves_nothing_when_stopped(
+        tmp_path, capsys, monkeypatch, stop, status):
+    args = ["--model-config", str(MODELS / "k3-tiny.yml"), "--out", str(tmp_path / "out")]
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(synthetic, "random_params",
+                        lambda *a: pytest.fail("built the model before checking --out"))
+    assert synthetic.main(args) == 1 and "already exists" in capsys.readouterr().err
+    (tmp_path / "out").rmdir()
+    monkeypatch.undo()
+
+    def stopped(*a, **k):  # as the SIGINT / SIGTERM handlers raise, mid-write
+        raise stop
+
+    monkeypatch.setattr(synthetic, "save_sharded", stopped)
+    assert synthetic.main(args) == status
+    assert capsys.readouterr().err.strip() == "interrupted; nothing was written"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_training_refuses_a_checkpoint_it_would_ignore(tmp_path):
     cfg = load_config(CONFIG_DIR / "train" / "k3-small.yml",
                       [f"load_parameters_path={tmp_path}"])

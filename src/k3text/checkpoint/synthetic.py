@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from k3text import files
 from k3text.checkpoint import hf, hf_config, names, store
 from k3text.checkpoint.safetensors_io import CheckpointError, save_sharded
 from k3text.config import Config, ConfigError, load_config
@@ -71,8 +73,9 @@ def write_checkpoint(cfg: Config, out: str | Path, layout: str | None = None, se
                      shards: int = 2, force: bool = False) -> str:
     """Write a random `layout` checkpoint of `cfg`'s model to `out`; returns the layout."""
     layout = layout or names.default_layout(cfg)
-    tensors = hf_checkpoint_tensors(cfg, random_params(cfg, seed), layout, seed)
+    # The output is checked (an existing one needs `force`) before the model is built.
     with store.staged_directory(out, force) as (staging, _):
+        tensors = hf_checkpoint_tensors(cfg, random_params(cfg, seed), layout, seed)
         save_sharded(_split(tensors, shards), staging)
         (staging / "config.json").write_text(
             json.dumps(hf_config.config_json(cfg, layout), indent=2) + "\n")
@@ -104,14 +107,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shards", type=_at_least(1), default=2, help="safetensors files")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the staging directory is removed (as the converter does).
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, files.gc_safe(_terminate)),
+                signal.SIGINT: signal.signal(signal.SIGINT,
+                                             files.gc_safe(signal.default_int_handler))}
     try:
         cfg = load_config(args.model_config)
         layout = write_checkpoint(cfg, args.out, args.layout, args.seed, args.shards, args.force)
     except (CheckpointError, ConfigError, OSError) as e:  # UnknownTensorError included
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, SystemExit) as e:
+        print("interrupted; nothing was written", file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else (e.code or 1)
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: a handler not installed from Python
+                signal.signal(signum, handler)
     print(f"wrote {args.out}: {layout} layout of {cfg.model_name or args.model_config}")
     return 0
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
