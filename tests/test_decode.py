@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3text.config import ConfigError
 from k3text.inference import weights
 from k3text.inference.engine import generate_program
 from k3text.layers.attention_kda import KDAAttention, KDAState
@@ -109,6 +110,9 @@ def test_ragged_batch_equals_one_by_one(setup):
         assert alone.output_ids[0] == together.output_ids[i], f"prompt {i}"
         np.testing.assert_allclose(alone.output_logprobs[0], together.output_logprobs[i],
                                    atol=1e-4)
+    for limits in ([2], [0, 1, 1, 1], [1, 1, 1, -3]):  # one per prompt, each at least 1
+        with pytest.raises(ConfigError, match="limits must give each"):
+            engine.decode_batch(prompts, limits=limits)
 
 
 def test_unrolled_engine_reads_split_stacks_and_decodes_the_same(setup):

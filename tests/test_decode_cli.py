@@ -114,6 +114,24 @@ def test_an_output_file_is_replaced_only_when_asked_and_never_the_prompts(config
     assert read(out)[0]["prompt_ids"] == [1, 2]
 
 
+def test_each_prompt_samples_with_its_own_seed_whatever_its_batch(config, tmp_path):
+    """Three copies of one prompt in batches of two, sampled: each gets seed + its index, so
+    the third (alone in the second batch) is not the first again, and equals itself decoded
+    alone with that seed."""
+    from k3text import decode
+    from k3text.config import load_config
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 6, 7]}\n' * 3)
+    sampled = ["decode_sampling_strategy=weighted", "ignore_eos=true", "max_decode_steps=8"]
+    records = decode.run(load_config(config, [f"prompts_file={prompts}", *sampled]))
+    outputs = [r["output_ids"] for r in records]
+    assert outputs[0] != outputs[2] and outputs[0] != outputs[1]
+    alone = decode.run(load_config(config, ["prompt_ids=5,6,7", "seed=2",
+                                            "per_device_batch_size=1", *sampled]))
+    assert alone[0]["output_ids"] == outputs[2]
+
+
 def test_tokenizer_defaults_to_the_one_shipped_with_the_checkpoint(tmp_path):
     from k3text.config import load_config
     from k3text.decode import tokenizer_path

@@ -326,7 +326,10 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                disable=not cfg.progress or jax.process_index() != 0)
     cache = PrefixCache(cfg, engine) if cfg.enable_prefix_caching else None
     for group in batches(requests, batch):
-        gen = engine.decode_batch([r.prompt_ids for r in group], batch=batch, cache=cache)
+        # Request i samples with seed `seed + i` whatever batch it falls in (the engine numbers
+        # rows from the seed it is given).
+        gen = engine.decode_batch([r.prompt_ids for r in group], batch=batch, cache=cache,
+                                  seed=cfg.seed + group[0].index)
         gens.append(gen)
         records += result_records(cfg, group, gen, tokenizer)
         bar.update(len(group))

@@ -521,6 +521,9 @@ class Engine:
         cfg = self.cfg
         max_steps = cfg.max_decode_steps if max_steps is None else max_steps
         limits = [max_steps] * len(prompts) if limits is None else list(limits)
+        if len(limits) != len(prompts) or min(limits) < 1:
+            raise ConfigError(f"limits must give each of the {len(prompts)} prompts at least "
+                              f"one token, got {limits}")
         if max(limits) > max_steps:
             raise ConfigError(f"a limit of {max(limits)} tokens is above max_steps={max_steps}")
         self.check_prompts(prompts, max(limits))
