@@ -49,6 +49,29 @@ def uninterrupted() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+@contextlib.contextmanager
+def unwinding_signals(terminate: Callable[[int, Any], Any] | None = None) -> Iterator[None]:
+    """For the block (from the main thread; elsewhere a no-op): SIGINT raises KeyboardInterrupt
+    and SIGTERM `terminate` (default: SystemExit(128 + signal)), both `gc_safe`, so a signal
+    unwinds the command like Ctrl-C and its cleanup (`staged_directory`, temporary files) runs.
+    The handlers before it are restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, gc_safe(terminate or _exit)),
+                signal.SIGINT: signal.signal(signal.SIGINT, gc_safe(signal.default_int_handler))}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: a handler not installed from Python
+                signal.signal(signum, handler)
+
+
+def _exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _in_gc_callback(frame: Any) -> bool:
     codes = {getattr(callback, "__code__", None) for callback in gc.callbacks}
     while frame is not None:

@@ -81,11 +81,16 @@ def train_tokenizer(cfg: Config) -> None:
     log.info("trained a %d-rank BPE on the corpus: %s", len(ranks), path)
 
 
+def _trains_tokenizer(cfg: Config) -> bool:
+    """Whether the run trains its tokenizer: a tiktoken file that does not exist yet."""
+    return cfg.tokenizer_type == "tiktoken" and bool(cfg.tokenizer_path) \
+        and not Path(cfg.tokenizer_path).exists()
+
+
 def training_tokenizer(cfg: Config) -> Tokenizer:
     """The config's tokenizer (trained first if it is a tiktoken file that does not exist),
     checked against the model's vocabulary and special ids."""
-    if cfg.tokenizer_type == "tiktoken" and cfg.tokenizer_path \
-            and not Path(cfg.tokenizer_path).exists():
+    if _trains_tokenizer(cfg):
         train_tokenizer(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path or None)
     if tokenizer is None:
@@ -223,8 +228,7 @@ def check_checkpoint_dir(cfg: Config) -> None:
 def check_tokenizer_path(cfg: Config) -> None:
     """Before any work: a tokenizer the run will train (a tiktoken file that does not exist
     yet) can be written where `tokenizer_path` says."""
-    if cfg.tokenizer_type == "tiktoken" and cfg.tokenizer_path \
-            and not Path(cfg.tokenizer_path).exists():
+    if _trains_tokenizer(cfg):
         try:
             files.check_output_file(cfg.tokenizer_path, "tokenizer_path")
         except files.OutputError as e:

@@ -29,7 +29,6 @@ import functools
 import json
 import math
 import shutil
-import signal
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -495,10 +494,6 @@ def _dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so partial output is removed
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -506,19 +501,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--dry-run needs --hf-dir or --model-config")
     if not args.dry_run and (args.hf_dir is None or args.out is None):
         parser.error("--hf-dir and --out are required (or --dry-run)")
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, files.gc_safe(_terminate)),
-                signal.SIGINT: signal.signal(signal.SIGINT,
-                                             files.gc_safe(signal.default_int_handler))}
-    try:
-        if args.dry_run:
-            return _dry_run(args)
-        plan = convert(args.hf_dir, args.out, args.model_config, args.force,
-                       progress=not args.no_progress)
-        with files.uninterrupted():  # the output is complete: say so whatever arrives now
-            inv = plan_inventory(plan)
-            print(f"wrote {args.out}: {inv.arrays:,} parameter arrays from {inv.text:,} tensors "
-                  f"({plan.source.layout} layout, {inv.vision} vision tensors dropped)")
-        return 0
+    try:  # a signal unwinds like Ctrl-C, so partial output is removed
+        with files.unwinding_signals():
+            if args.dry_run:
+                return _dry_run(args)
+            plan = convert(args.hf_dir, args.out, args.model_config, args.force,
+                           progress=not args.no_progress)
+            with files.uninterrupted():  # the output is complete: say so whatever arrives now
+                inv = plan_inventory(plan)
+                print(f"wrote {args.out}: {inv.arrays:,} parameter arrays from {inv.text:,} "
+                      f"tensors ({plan.source.layout} layout, {inv.vision} vision tensors "
+                      f"dropped)")
+            return 0
     except (CheckpointError, ConfigError, OSError) as e:  # UnknownTensorError included
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -528,10 +522,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit) as e:  # before any output existed (or a dry run)
         print("interrupted; nothing was written", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else (e.code or 1)
-    finally:
-        for signum, handler in previous.items():
-            if handler is not None:  # None: a handler not installed from Python
-                signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -107,29 +106,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shards", type=_at_least(1), default=2, help="safetensors files")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so the staging directory is removed (as the converter does).
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, files.gc_safe(_terminate)),
-                signal.SIGINT: signal.signal(signal.SIGINT,
-                                             files.gc_safe(signal.default_int_handler))}
-    try:
-        cfg = load_config(args.model_config)
-        layout = write_checkpoint(cfg, args.out, args.layout, args.seed, args.shards, args.force)
+    try:  # a signal unwinds, so the staging directory is removed
+        with files.unwinding_signals():
+            cfg = load_config(args.model_config)
+            layout = write_checkpoint(cfg, args.out, args.layout, args.seed, args.shards,
+                                      args.force)
     except (CheckpointError, ConfigError, OSError) as e:  # UnknownTensorError included
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, SystemExit) as e:
         print("interrupted; nothing was written", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else (e.code or 1)
-    finally:
-        for signum, handler in previous.items():
-            if handler is not None:  # None: a handler not installed from Python
-                signal.signal(signum, handler)
     print(f"wrote {args.out}: {layout} layout of {cfg.model_name or args.model_config}")
     return 0
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

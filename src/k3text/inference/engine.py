@@ -237,9 +237,6 @@ class Engine:
 
     # ---- public API -----------------------------------------------------------------------
 
-    def check_prompts(self, prompts: Sequence[Sequence[int]], steps: int) -> None:
-        check_prompts(self.cfg, prompts, steps)
-
     def chunk_width(self, remaining: int) -> int:
         """Tokens of the prefill call that runs a prompt's next `remaining` tokens: the
         smallest of `prefill_buckets` that holds them, else a whole chunk."""
@@ -526,7 +523,7 @@ class Engine:
                               f"one token, got {limits}")
         if max(limits) > max_steps:
             raise ConfigError(f"a limit of {max(limits)} tokens is above max_steps={max_steps}")
-        self.check_prompts(prompts, max(limits))
+        check_prompts(cfg, prompts, max(limits))
         batch = batch or len(prompts)
         seed = cfg.seed if seed is None else seed
         t0 = time.perf_counter()

@@ -38,14 +38,9 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
     # force: an imported library may already have given the root logger a handler of its own.
     logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr, force=True)
     logging.getLogger("k3text").setLevel(logging.INFO)
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = {}
-    if main_thread:  # never raising inside a garbage-collector callback (files.gc_safe)
-        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, files.gc_safe(_terminate)),
-                    signal.SIGINT: signal.signal(signal.SIGINT,
-                                                 files.gc_safe(signal.default_int_handler))}
     try:
-        body(load_config(argv[0], argv[1:]))
+        with files.unwinding_signals(_terminate):
+            body(load_config(argv[0], argv[1:]))
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)  # OutputError included (a ValueError)
         _quiet_from_here()
@@ -62,10 +57,6 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
         print(f"{prog}: terminated", file=sys.stderr)
         _quiet_from_here()
         return 128 + signal.SIGTERM
-    finally:
-        for signum, handler in previous.items():
-            if handler is not None:  # None: a handler not installed from Python
-                signal.signal(signum, handler)
     return 0
 
 
