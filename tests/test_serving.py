@@ -651,6 +651,22 @@ def test_chat_text_cannot_forge_a_special_token(jinja_protocol, tokenizer):
         [bos, *tokenizer.encode("user: hi"), eos, *tokenizer.encode("assistant:")]
 
 
+def test_a_messages_name_reaches_the_template_and_cannot_forge_a_turn(protocol, tokenizer,
+                                                                      jinja_protocol):
+    from k3text.serving.protocol import RequestError
+
+    alice = [{"role": "user", "name": "alice", "content": "hi"}]
+    assert _chat(protocol, alice).prompt_ids == \
+        _completion(protocol, prompt="user (alice): hi\nassistant:").prompt_ids
+    named = jinja_protocol("{% for m in messages %}{{ m.role }} {{ m.name }}: {{ m.content }}"
+                           "{% endfor %}")
+    assert _chat(named, alice).prompt_ids == tokenizer.encode("user alice: hi")
+    for bad in ("", 3, "x[EOS]"):
+        with pytest.raises(RequestError, match="name") as e:
+            _chat(named, [{"role": "user", "name": bad, "content": "hi"}])
+        assert e.value.param == "messages"
+
+
 def test_logprob_entries_carry_each_tokens_own_bytes_and_offsets(protocol, tokenizer):
     from k3text.serving.scheduler import Delta
 

@@ -230,6 +230,10 @@ class Protocol:
         if self.tokenizer is None:
             self._encode_text(rendered, "messages")  # the error that says so
         specials = self.tokenizer.special_tokens
+        for i, m in enumerate(messages):  # a name is written as the template's own text
+            if any(token in m.get("name", "") for token in specials):
+                raise RequestError(f"messages[{i}].name holds the text of a special token",
+                                   "messages")
         markup = [(m.start(), m.end()) for m in _special_pattern(tuple(specials)).finditer(
             rendered)] if specials else []
         if spans is None:  # the template rewrites message text: only its own markup may match
@@ -391,7 +395,13 @@ class Protocol:
                 content = "\n".join(p["text"] for p in content)
             if not isinstance(content, str):
                 raise RequestError(f"messages[{i}].content must be a string", "messages")
-            checked.append({"role": m["role"], "content": content})
+            message = {"role": m["role"], "content": content}
+            if m.get("name") is not None:  # a participant's name: the template shows it
+                if not isinstance(m["name"], str) or not m["name"]:
+                    raise RequestError(f"messages[{i}].name must be a non-empty string",
+                                       "messages")
+                message["name"] = m["name"]
+            checked.append(message)
         ids = self._encode_chat(checked)
         ids = self._check_prompt(ids, "messages")
         want = _bool(body, "logprobs", False)

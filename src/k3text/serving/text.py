@@ -132,13 +132,17 @@ def _raise(message: str) -> None:
     raise ValueError(message)
 
 
-SIMPLE_TEMPLATE = "{role}: {content}\n"  # each message, then "assistant:" opens the reply
+def _simple_line(message: dict[str, Any]) -> str:
+    """One message in the simple template: "role: content", or "role (name): content"."""
+    name = f" ({message['name']})" if "name" in message else ""
+    return f"{message['role']}{name}: {message['content']}\n"
 
 
 class ChatTemplate:
     """Messages -> prompt text. The tokenizer's own Jinja template when its directory has a
     `tokenizer_config.json` with a `chat_template`; otherwise the simple documented one: each
-    message as "role: content" on its own line, then "assistant:" (no space after it)."""
+    message as "role: content" (or "role (name): content" when it names its participant) on its
+    own line, then "assistant:" (no space after it)."""
 
     def __init__(self, tokenizer_file: str | None):
         self.jinja = None
@@ -167,8 +171,7 @@ class ChatTemplate:
         if self.jinja is not None:
             return self.jinja.render(messages=messages, add_generation_prompt=True,
                                      tools=None, **self.special)
-        return "".join(SIMPLE_TEMPLATE.format(role=m["role"], content=m["content"])
-                       for m in messages) + "assistant:"
+        return "".join(_simple_line(m) for m in messages) + "assistant:"
 
     def content_spans(self, messages: list[dict[str, Any]], rendered: str,
                       ) -> list[tuple[int, int]] | None:
