@@ -632,6 +632,9 @@ def main() -> None:
     print(f"  ceiling for this workload: {show('ceiling')}: its prompts, riding decode calls, "
           f"cost {per_prompt:.2f} offline decode steps each; decode / (decode + prefill) with "
           f"all {slots} slots busy every step and nothing else spent")
+    if cfg.serve_prefill_apart:
+        print("  (the ceiling is the riding scheduler's: with serve_prefill_apart no prompt rides "
+              "a decode call, and its prefill runs beside the decode on a second mesh)")
     print(f"TPOT p50, all slots busy, vs offline per step: {show('tpot')} (target <= 1.5)")
     print(f"the server's own decode step at saturation vs offline's: {show('server_step')}; "
           f"its time {share['decode_share']:.0%} in decode calls, {share['prefill_share']:.0%} "

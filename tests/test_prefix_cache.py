@@ -156,12 +156,12 @@ class _Poisoning:
         return self._engine.restore_prefix(prefix, store, entries, lengths)
 
 
-def serve(engine, cfg, requests, poison: bool = False):
+def serve(engine, cfg, requests, poison: bool = False, prefill_engine=None):
     """Every request through an in-process scheduler, all submitted at once; per request its
     (token ids, log-probabilities, top log-probabilities) and the scheduler."""
     if poison:
         engine = _Poisoning(engine)
-    scheduler = Scheduler(cfg, engine, None)
+    scheduler = Scheduler(cfg, engine, None, prefill_engine=prefill_engine)
     if poison:
         engine.scheduler = scheduler
     results = [dict(ids=[], lps=[], top=[], done=threading.Event(), reason=None)

@@ -302,6 +302,79 @@ def test_overlapped_calls_deliver_what_synchronous_calls_deliver(tiny, monkeypat
         np.testing.assert_allclose(overlapped["lps"], sync["lps"], atol=1e-4)
 
 
+class _Calls:
+    """An engine that records the names of the methods called on it."""
+
+    def __init__(self, engine):
+        self._engine, self.names = engine, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._engine, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.names.append(name)
+            return attr(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_prefill_apart_serves_what_riding_chunks_serve(tiny, tensor):
+    """`serve_prefill_apart`: prompts are prefilled on a second mesh, ahead of a free slot, and
+    their prefixes copied over and inserted: greedy and seeded requests of one token to several
+    chunks, with the prefix cache off and on (its store on the prefill mesh), get what the
+    default scheduler gives them (prompts riding the decode calls), and no prefill runs on the
+    decode mesh; on one device and on two (tensor-parallel, each mesh its own pair)."""
+    from test_prefix_cache import check_equal, serve
+
+    from k3text.serve import build_prefill_engine
+
+    cfg, engine = tiny
+    cfg = cfg.replace(per_device_batch_size=3, serve_steps_per_call=2, serve_prefill_batch=2)
+    if tensor > 1:
+        cfg = cfg.replace(ici_tensor_parallelism=tensor)
+        engine = engine_for(cfg, seed=3)
+    rng = np.random.default_rng(4)
+    shared = rng.integers(3, cfg.vocab_size, 40).tolist()  # a whole block the cache holds
+    requests = [([*shared, *rng.integers(3, cfg.vocab_size, n).tolist()] if i % 4 < 2 else
+                 rng.integers(3, cfg.vocab_size, n).tolist(),
+                 SamplingParams(max_tokens=m, temperature=0.0 if i % 3 else 0.9, seed=i))
+                for i, (n, m) in enumerate(zip((5, 20, 1, 17, 3, 9, 23, 2, 12, 6),
+                                               (7, 3, 8, 1, 6, 8, 2, 5, 8, 4), strict=True))]
+    riding, _ = serve(engine, cfg, requests)
+    apart_cfg = cfg.replace(serve_prefill_apart=True)
+    prefill_engine = build_prefill_engine(apart_cfg, engine)
+    decode_devices = set(engine.ctx.mesh.devices.flat)
+    assert len(decode_devices) == tensor
+    assert not decode_devices & set(prefill_engine.ctx.mesh.devices.flat)
+    for cache in (False, True):
+        calls, prefills = _Calls(engine), _Calls(prefill_engine)
+        apart, scheduler = serve(calls, apart_cfg.replace(enable_prefix_caching=cache),
+                                 requests, prefill_engine=prefills)
+        check_equal(riding, apart)
+        assert prefills.names.count("prefill_chunk") >= len(requests) // 2, prefills.names
+        assert not {"prefill_chunk", "prefill_slices", "decode_and_prefill",
+                    "dispatch_decode_and_prefill"} & set(calls.names), calls.names
+        assert calls.names.count("insert") >= len(requests) // 2
+        if cache:
+            assert scheduler.prefix_cache.hit_tokens >= 32, scheduler.prefix_cache.summary()
+
+
+def test_prefill_apart_refuses_a_second_mesh_it_cannot_have():
+    from types import SimpleNamespace
+
+    from k3text.config import ConfigError
+    from k3text.serve import build_prefill_engine
+
+    cfg = tiny_config("k3-tiny", "serve_prefill_apart=true")
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[2:]), ("data",))  # leaves only 2 more
+    with pytest.raises(ConfigError, match="second mesh of 6 devices .* only 2 more"):
+        build_prefill_engine(cfg, SimpleNamespace(ctx=SimpleNamespace(mesh=mesh)))
+    assert build_prefill_engine(cfg.replace(serve_prefill_apart=False), None) is None
+
+
 class _FailingFetch(_FetchHook):
     """An engine whose `fail_at`-th fetched decode call raises when its tokens are fetched, as
     a device error surfaces (-1: none fails); counts the fetches."""
@@ -1214,6 +1287,23 @@ def test_isolation_on_8_devices(config, shipped):
     try:
         run_load(server, prompts, reference, 40, "k3-small", seed=1)
         assert not [line for line in server.lines if "Traceback" in line]
+    finally:
+        assert server.stop() == 0, "\n".join(server.lines)
+
+
+@pytest.mark.slow
+def test_isolation_with_prefill_apart(shipped):
+    """`serve_prefill_apart` on the shipped model (decoding on one device, prompts prefilled on
+    another, in pairs, ahead of a free slot, the prefix cache's store there too): the concurrent
+    mixed load, clients leaving mid-stream, gets what the offline decode gives."""
+    _, prompts, reference = shipped
+    server = Server(CPU, *SHIPPED, *CACHED, "serve_prefill_apart=true", "serve_prefill_batch=2")
+    try:
+        assert any("prefill on its own mesh: devices [1]" in line for line in server.lines)
+        run_load(server, prompts, reference, 40, "k3-small", seed=2)
+        assert not [line for line in server.lines if "Traceback" in line]
+        compiles = [line for line in server.lines if "compiling" in line]
+        assert not [line for line in compiles if "decode + prefill" in line], compiles
     finally:
         assert server.stop() == 0, "\n".join(server.lines)
 

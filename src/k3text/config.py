@@ -751,6 +751,8 @@ def request_host_devices(argv: Sequence[str]) -> None:
     # process may hold more devices than the mesh needs.
     processes = cfg.num_processes if cfg.jax_distributed_initialize else 0
     count = cfg.num_devices // max(1, processes)
+    if cfg.serve_prefill_apart:  # a second mesh of the same shape prefills
+        count *= 2
     flags = os.environ.get("XLA_FLAGS", "").split()
     name = "--xla_force_host_platform_device_count="
     asked = [int(f[len(name):]) for f in flags if f.startswith(name)]

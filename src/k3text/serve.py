@@ -35,6 +35,7 @@ import uvicorn  # noqa: E402
 
 from k3text import decode, sharding  # noqa: E402
 from k3text.config import Config, ConfigError  # noqa: E402
+from k3text.inference.engine import Engine  # noqa: E402
 from k3text.serving.api import ServerState, create_app  # noqa: E402
 from k3text.serving.metrics import Metrics  # noqa: E402
 from k3text.serving.multihost import LeaderEngine, follow  # noqa: E402
@@ -113,13 +114,15 @@ def serve(cfg: Config) -> None:
     def load() -> None:
         try:
             engine, _ = decode.build(cfg)
+            prefill_engine = build_prefill_engine(cfg, engine)
             if jax.process_count() > 1:
                 engine = LeaderEngine(engine)
                 leaders.append(engine)
             seconds = engine.warm_up(slots, cfg.serve_steps_per_call,
                                      prefill_batch=min(cfg.serve_prefill_batch, slots),
-                                     top_n=cfg.serve_max_logprobs, serving=True)
-            scheduler = Scheduler(cfg, engine, tokenizer, metrics)
+                                     top_n=cfg.serve_max_logprobs, serving=True,
+                                     prefill_engine=prefill_engine)
+            scheduler = Scheduler(cfg, engine, tokenizer, metrics, prefill_engine)
             scheduler.start()
             state.scheduler = scheduler
             log.info("ready: model %r, %d slots, compile %.1f s", protocol.model_name, slots,
@@ -146,6 +149,24 @@ def serve(cfg: Config) -> None:
     if not server.started:
         raise ConfigError(f"the server on {host}:{port} did not start")
     log.info("stopped")
+
+
+def build_prefill_engine(cfg: Config, engine: Engine) -> Engine | None:
+    """With `serve_prefill_apart`, `engine` on a second mesh of its mesh's shape, over the
+    devices after it; else None."""
+    if not cfg.serve_prefill_apart:
+        return None
+    if jax.process_count() > 1:
+        raise ConfigError("serve_prefill_apart runs in one process only; set it false for a "
+                          "multi-process server")
+    taken = set(engine.ctx.mesh.devices.flat)
+    rest = [d for d in jax.devices() if d not in taken]
+    if len(rest) < len(taken):
+        raise ConfigError(f"serve_prefill_apart needs a second mesh of {len(taken)} devices "
+                          f"beside the decode mesh's, but only {len(rest)} more are available")
+    mesh = sharding.make_mesh(cfg, rest[:len(taken)])
+    log.info("prefill on its own mesh: devices %s", [d.id for d in mesh.devices.flat])
+    return engine.on_mesh(sharding.MeshContext(mesh, cfg.logical_axis_rules))
 
 
 def _exit_during_start_up(error: BaseException | None) -> None:

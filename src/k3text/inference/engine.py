@@ -31,6 +31,7 @@ slots, generate to the end.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -157,6 +158,12 @@ class Engine:
         # constants (`weights.py`): far cheaper to dispatch than the State's hundreds of
         # Variables.
         self._weights, self.layout = weights.flatten(self.graphdef, self.params)
+        self._jit_programs()
+
+    def _jit_programs(self) -> None:
+        """The engine's own jitted programs: a trace reads the mesh context it runs under (the
+        activation constraints), so an engine on another mesh must not reuse these traces."""
+        cfg = self.cfg
         bound = functools.partial
         self._prefill_chunk = jax.jit(bound(prefill_chunk_program, self.layout),
                                       donate_argnames=("prefix",))
@@ -234,6 +241,24 @@ class Engine:
         if (program, shape) not in self._shapes_seen:
             self._shapes_seen.add((program, shape))
             log.info("compiling %s for %s (once per shape)", program, shape)
+
+    def on_mesh(self, ctx: sharding.MeshContext) -> Engine:
+        """This engine's model and programs on another mesh of the same shape (a server's
+        prefill mesh, `serve_prefill_apart`), its parameters copied there."""
+        if ctx.mesh.shape != self.ctx.mesh.shape:
+            raise ConfigError(f"a mesh of shape {dict(ctx.mesh.shape)} cannot hold this "
+                              f"engine's parameters, placed for {dict(self.ctx.mesh.shape)}")
+        other = copy.copy(self)
+        other.ctx = ctx
+        other.params = _onto(ctx, self.params)
+        other._weights = _onto(ctx, self._weights)
+        other._jit_programs()
+        return other
+
+    def adopt(self, tree: Any) -> Any:
+        """Arrays another engine placed on a mesh of the same shape (`on_mesh`) copied onto
+        this engine's mesh, each in the same partition."""
+        return _onto(self.ctx, tree)
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -466,7 +491,8 @@ class Engine:
 
     def warm_up(self, batch: int, max_steps: int | None = None, prefill_batch: int | None = None,
                 top_n: int = 0, serving: bool = False,
-                widths: Sequence[int] | None = None) -> float:
+                widths: Sequence[int] | None = None, prefill_engine: Engine | None = None,
+                ) -> float:
         """Compile (or load from the compilation cache) the programs `decode_batch` (or, with
         `serving`, a server's scheduler) runs for `batch` slots, by running them on nothing:
         one chunk of padding at each of `widths` (default: every bucket and the whole chunk;
@@ -474,27 +500,33 @@ class Engine:
         decode call with no active slot, which stops before its first step; for a server also
         the decode call with each chunk width riding along (`serve_steps_per_call` steps).
         Running them, not only compiling, also pays each program's one-time cost of its first
-        execution, which would otherwise land in the first real call. Returns the seconds it
-        took, so callers can report compile time apart from throughput."""
+        execution, which would otherwise land in the first real call. With a `prefill_engine`
+        (`serve_prefill_apart`) the prefill programs compile there and no chunk rides a decode
+        call. Returns the seconds it took, so callers can report compile time apart from
+        throughput."""
         cfg = self.cfg
         max_steps = cfg.max_decode_steps - 1 if max_steps is None else max_steps
         prefill_batch = prefill_batch or batch
         widths = sorted(set(widths or (*self.buckets, cfg.prefill_chunk_size)))
         t0 = time.perf_counter()
-        prefix = self.new_prefix(prefill_batch)
+        prefiller = prefill_engine or self
+        prefix = prefiller.new_prefix(prefill_batch)
         for width in widths:
             chunk = np.full((prefill_batch, width), cfg.pad_token_id, np.int32)
-            prefix = self.prefill_chunk(prefix, chunk, np.zeros(chunk.shape, bool), 0)
+            prefix = prefiller.prefill_chunk(prefix, chunk, np.zeros(chunk.shape, bool), 0)
         rows = cfg.prefill_context_parallelism
         if rows > 1:  # the context-parallel call long prompts take
             window = np.full((rows, cfg.prefill_chunk_size), cfg.pad_token_id, np.int32)
-            self.prefill_slices(self.new_prefix(rows), window, np.zeros(window.shape, bool), 0)
+            prefiller.prefill_slices(prefiller.new_prefix(rows), window,
+                                     np.zeros(window.shape, bool), 0)
+        if prefill_engine is not None:
+            prefix = self.adopt(prefix)
         pool = self.new_pool(batch)
         pool, _ = self.insert(pool, prefix, [-1] * prefill_batch, [1] * prefill_batch,
                               np.tile(self.stop_ids(), (prefill_batch, 1)),
                               sampling.config_sampling(cfg, prefill_batch), top_n)
         pool, _ = self.generate(pool, max(max_steps, 1), top_n)
-        if serving:
+        if serving and prefill_engine is None:
             for width in widths:
                 chunk = np.full((prefill_batch, width), cfg.pad_token_id, np.int32)
                 pool, prefix, *_ = self.decode_and_prefill(
@@ -796,6 +828,12 @@ def _to_host(tree: Any) -> Any:
     if jax.process_count() > 1:
         return multihost_utils.process_allgather(tree, tiled=True)
     return jax.device_get(tree)
+
+
+def _onto(ctx: sharding.MeshContext, tree: Any) -> Any:
+    """`tree`'s arrays copied onto `ctx.mesh`, each in its partition on the mesh it was on."""
+    return jax.tree.map(lambda a: jax.device_put(
+        a, jax.sharding.NamedSharding(ctx.mesh, a.sharding.spec)), tree)
 
 
 def place_model(model: Decoder, ctx: sharding.MeshContext) -> Decoder:

@@ -15,6 +15,11 @@ One thread owns the engine and the pool and loops over iterations:
    the running sequences for its whole length. With `enable_prefix_caching` a group starts
    from its longest cached prefix (`inference/prefix_cache.py`) and caches each block its
    chunks complete. A context-parallel group's calls never ride.
+With `serve_prefill_apart` (one process) prompts are prefilled by a second engine on a mesh of
+its own: each iteration first inserts the prefixes it has finished (copied onto the decode mesh)
+into free slots and dispatches the next chunks without waiting, then makes its decode call, which
+no chunk rides; a group is taken from the queue before any slot is free, and its rows take slots
+as they are inserted.
 With `serve_overlap` (one process) step 2 dispatches its call and then delivers the call the
 previous iteration dispatched, so the host's delivery runs while the device decodes; each call's
 tokens go to the requests that held its slots when it was dispatched (docs/serving.md).
@@ -146,9 +151,13 @@ class _Prefill:
 
 class Scheduler:
     def __init__(self, cfg: Config, engine: Engine, tokenizer: Tokenizer | None,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, prefill_engine: Engine | None = None):
         self.cfg = cfg
         self.engine = engine
+        # `serve_prefill_apart`: prompts are prefilled by an engine on a mesh of their own, its
+        # calls dispatched without waiting, while this one decodes.
+        self.prefiller = prefill_engine or engine
+        self._apart = prefill_engine is not None
         self.tokenizer = tokenizer
         self.num_slots = cfg.global_batch_size
         self.metrics = metrics or Metrics(self.num_slots)
@@ -199,7 +208,7 @@ class Scheduler:
         """Start the scheduler thread (the engine's programs should be compiled already)."""
         self._pool = self.engine.new_pool(self.num_slots)
         if self.cfg.enable_prefix_caching:
-            self.prefix_cache = PrefixCache(self.cfg, self.engine)
+            self.prefix_cache = PrefixCache(self.cfg, self.prefiller)
             self.prefix_cache.warm_up(self.prefill_batch)
         with self._cv:
             self._accepting = True
@@ -261,8 +270,16 @@ class Scheduler:
         under the budget)."""
         self._drop_cancelled()
         self._release_pending()  # before any insert: a freed slot may be refilled below
-        spent = self._decode() if self._decoding or self._in_flight_call else 0
-        self._prefill_within_budget(spent)
+        if self._apart:
+            # Prefixes that are ready go in, and the next chunks go out, before the decode call:
+            # they run on the prefill mesh while it decodes.
+            self._hand_over_finishing_slots()
+            self._prefill_within_budget(0)
+            if self._decoding or self._in_flight_call:
+                self._decode()
+        else:
+            spent = self._decode() if self._decoding or self._in_flight_call else 0
+            self._prefill_within_budget(spent)
         self._update_gauges()
 
     def decoding(self) -> dict[int, Request]:
@@ -319,7 +336,9 @@ class Scheduler:
 
     def _prefill_within_budget(self, spent: int) -> None:
         """Prefill chunks until this iteration's token budget is spent (`spent` tokens already
-        rode the decode call; at least one call when none did)."""
+        rode the decode call; at least one call when none did). Apart (`serve_prefill_apart`)
+        the calls are dispatched without waiting, and the rows they end are inserted in a later
+        iteration, once their prefix has been computed."""
         chunk = self.cfg.prefill_chunk_size
         budget = self.cfg.serve_prefill_token_budget
         while True:
@@ -328,6 +347,17 @@ class Scheduler:
                 if self._prefill is None:
                     return
             job = self._prefill
+            if self._apart and self._ready_rows(job, job.start):
+                if not self._computed(job.prefix):
+                    return
+                self._insert_finished_rows(job)
+                if self._prefill is not job:  # the insert failed, and failed every request
+                    return
+                if not job.live:
+                    self._prefill = None
+                    continue
+                if len(self._ready_rows(job, job.start)) == len(job.live):
+                    return  # every row waits for a slot
             rows = len(job.rows)
             if job.slices:
                 width = cost = chunk * rows  # prompt tokens one call advances
@@ -337,18 +367,18 @@ class Scheduler:
                 cost = width * len(job.live)
             if spent and spent + cost > budget:
                 return
-            if self.decoding() and not spent and not job.slices:
+            if not self._apart and self.decoding() and not spent and not job.slices:
                 return  # a job started after decoding ended; its first chunk rides next time
             began = time.perf_counter()
             try:
                 part = slice(job.start, job.start + width)
                 if job.slices:
-                    job.prefix = self.engine.prefill_slices(
+                    job.prefix = self.prefiller.prefill_slices(
                         job.prefix, job.tokens[0, part].reshape(rows, chunk),
                         job.valid[0, part].reshape(rows, chunk), job.start)
                 else:
-                    job.prefix = self.engine.prefill_chunk(job.prefix, job.tokens[:, part],
-                                                           job.valid[:, part], job.start)
+                    job.prefix = self.prefiller.prefill_chunk(job.prefix, job.tokens[:, part],
+                                                              job.valid[:, part], job.start)
             except Exception:
                 log.exception("prefill failed")
                 self._prefill = None
@@ -361,27 +391,39 @@ class Scheduler:
             spent += cost
             job.start += width
             self._cache_blocks(job)
-            self._insert_finished_rows(job)  # waits for the chunk when a row is ready
+            if not self._apart:
+                self._insert_finished_rows(job)  # waits for the chunk when a row is ready
             self.metrics.prefill_seconds.inc(time.perf_counter() - began)
             if not job.live:
                 self._prefill = None
                 return
+
+    def _computed(self, prefix: Prefix) -> bool:
+        """Whether the prefill mesh has computed `prefix`; with nothing decoding there is
+        nothing else to do, so this waits for it instead of asking again."""
+        if self._decoding or self._in_flight_call:
+            return prefix.logits.is_ready()
+        prefix.logits.block_until_ready()
+        return True
 
     def _start_prefill(self) -> _Prefill | None:
         """A new group from the waiting requests, one per free slot; None if there is none. A
         prompt at the head of the queue that `Engine.context_parallel` takes is prefilled alone,
         `prefill_context_parallelism` chunks per call."""
         cfg = self.cfg
+        # Apart, a group is prefilled ahead, before any slot is free: its rows take slots when
+        # they are inserted, so a finished prefix waits for a slot rather than a slot for it.
+        free = self.num_slots if self._apart else len(self._free)
         with self._cv:
-            if not (self._waiting and self._free):
+            if not (self._waiting and free):
                 return None
             slices = self.prefix_cache is None and \
-                self.engine.context_parallel([self._waiting[0].prompt_ids])
+                self.prefiller.context_parallel([self._waiting[0].prompt_ids])
         batch = cfg.prefill_context_parallelism if slices else self.prefill_batch
-        prefix = self.engine.new_prefix(batch)  # before any request leaves the queue
+        prefix = self.prefiller.new_prefix(batch)  # before any request leaves the queue
         rows: list[Request | None] = []
         with self._cv:
-            while self._waiting and len(rows) < min(len(self._free), 1 if slices else batch):
+            while self._waiting and len(rows) < min(free, 1 if slices else batch):
                 rows.append(self._waiting.popleft())
         if not rows:
             return None
@@ -394,7 +436,7 @@ class Scheduler:
         for i, r in enumerate(rows):
             tokens[i, : len(r.prompt_ids)] = r.prompt_ids
             valid[i, : len(r.prompt_ids)] = True
-            r.slot = self._free.pop(0)
+            r.slot = -1 if self._apart else self._free.pop(0)
             r.text = TextStream(self.tokenizer, r.params.stop)
             r.stop_ids = self.engine.stop_ids(r.params.stop_token_ids, r.params.ignore_eos)
         rows += [None] * (batch - len(rows))
@@ -450,16 +492,23 @@ class Scheduler:
                 stop, host_sampling(params))
 
     def _insert_finished_rows(self, job: _Prefill) -> None:
-        """Insert the rows whose prompts ended within the chunks run so far."""
+        """Insert the rows whose prompts ended within the chunks run so far (apart, as many as
+        there are free slots)."""
         ready = self._ready_rows(job, job.start)
+        if self._apart:
+            for i in ready:
+                if job.rows[i].slot < 0 and self._free:
+                    job.rows[i].slot = self._free.pop(0)
+            ready = [i for i in ready if job.rows[i].slot >= 0]
         if not ready:
             return
         if any(r.slot in self._to_release for r in job.live):
             self._release_pending()  # a release after the insert would stop these requests
             if self._prefill is not job:  # the release failed and failed every request
                 return
+        prefix = self.engine.adopt(job.prefix) if self._apart else job.prefix
         try:
-            self._pool, first = self.engine.insert(self._pool, job.prefix,
+            self._pool, first = self.engine.insert(self._pool, prefix,
                                                    *self._insert_args(job, ready), self.top_n)
         except Exception:
             log.exception("insert failed")
@@ -505,11 +554,12 @@ class Scheduler:
             self._dispatched(None)
             return 0
         self._hand_over_finishing_slots()
-        if self._prefill is None:
-            self._prefill = self._start_prefill()
-        job = self._prefill
-        if job is not None and not job.slices:
-            return self._decode_with_chunk(job, owners)
+        if not self._apart:
+            if self._prefill is None:
+                self._prefill = self._start_prefill()
+            job = self._prefill
+            if job is not None and not job.slices:
+                return self._decode_with_chunk(job, owners)
         began = time.perf_counter()
         try:
             self._pool, tokens = self.engine.dispatch_generate(
@@ -658,6 +708,8 @@ class Scheduler:
         self._finish(r, reason, error)
 
     def _free_slot(self, slot: int, on_device: bool) -> None:
+        if slot < 0:  # a row prefilled ahead, not given a slot yet
+            return
         if slot in self._free:  # freed twice would hand it to two requests
             log.error("slot %d freed twice", slot)
             return
