@@ -373,6 +373,8 @@ def test_prefill_apart_refuses_a_second_mesh_it_cannot_have():
     with pytest.raises(ConfigError, match="second mesh of 6 devices .* only 2 more"):
         build_prefill_engine(cfg, SimpleNamespace(ctx=SimpleNamespace(mesh=mesh)))
     assert build_prefill_engine(cfg.replace(serve_prefill_apart=False), None) is None
+    with pytest.raises(ConfigError, match="serve_prefill_apart runs in one process only"):
+        tiny_config("k3-tiny", "serve_prefill_apart=true", "jax_distributed_initialize=true")
 
 
 class _FailingFetch(_FetchHook):

@@ -456,6 +456,10 @@ def _validate(cfg: Config) -> None:
             key = f"{kind}_{axis}_parallelism"
             _require(cfg[key] >= 1, f"config key '{key}' must be >= 1, got {cfg[key]}")
 
+    _require(not (cfg.serve_prefill_apart and cfg.jax_distributed_initialize),
+             "serve_prefill_apart runs in one process only; set it false for a multi-process "
+             "server (jax_distributed_initialize)")
+
     n = cfg.num_hidden_layers
     # Kimi models have under 100 layers; the search for a repeating layer pattern (ScanPlan)
     # takes seconds at a thousand and runs for hours on a mistyped count.

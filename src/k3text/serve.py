@@ -156,9 +156,6 @@ def build_prefill_engine(cfg: Config, engine: Engine) -> Engine | None:
     devices after it; else None."""
     if not cfg.serve_prefill_apart:
         return None
-    if jax.process_count() > 1:
-        raise ConfigError("serve_prefill_apart runs in one process only; set it false for a "
-                          "multi-process server")
     taken = set(engine.ctx.mesh.devices.flat)
     rest = [d for d in jax.devices() if d not in taken]
     if len(rest) < len(taken):
