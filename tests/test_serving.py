@@ -348,7 +348,12 @@ def test_prefill_apart_serves_what_riding_chunks_serve(tiny, tensor):
     prefill_engine = build_prefill_engine(apart_cfg, engine)
     decode_devices = set(engine.ctx.mesh.devices.flat)
     assert len(decode_devices) == tensor
-    assert not decode_devices & set(prefill_engine.ctx.mesh.devices.flat)
+    prefill_devices = set(prefill_engine.ctx.mesh.devices.flat)
+    assert not decode_devices & prefill_devices
+    # Its weights live on its own mesh, once: the buffers are its parameters' own arrays.
+    leaves = {id(a) for a in jax.tree.leaves(prefill_engine.params)}
+    for w in prefill_engine._weights:
+        assert w.devices() <= prefill_devices and id(w) in leaves
     for cache in (False, True) if tensor == 1 else (True,):
         calls, prefills = _Calls(engine), _Calls(prefill_engine)
         apart, scheduler = serve(calls, apart_cfg.replace(enable_prefix_caching=cache),

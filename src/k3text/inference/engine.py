@@ -250,8 +250,8 @@ class Engine:
                               f"engine's parameters, placed for {dict(self.ctx.mesh.shape)}")
         other = copy.copy(self)
         other.ctx = ctx
-        other.params = _onto(ctx, self.params)
-        other._weights = _onto(ctx, self._weights)
+        other.params = _onto(ctx, self.params)  # each buffer copied once, shared as here
+        other._weights, _ = weights.flatten(self.graphdef, other.params)
         other._jit_programs()
         return other
 
