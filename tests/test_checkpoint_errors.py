@@ -155,7 +155,7 @@ def test_broken_checkpoint_is_one_line_naming_tensor_and_file(hf_dir, tmp_path, 
                                                                breakage):
     culprit, message = breakage(hf_dir)
     rc, _, err = run(capsys, "--hf-dir", hf_dir, "--out", tmp_path / "out")
-    assert rc == 1
+    assert rc == 2
     [line] = err
     assert line.startswith("error: ") and str(culprit) in line and message in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no output, no leftovers
@@ -183,7 +183,7 @@ def test_dry_run_lists_every_problem(hf_dir, capsys):
     _, unexpected = _unexpected_key(hf_dir)
     _, missing = _missing_tensor(hf_dir)
     rc, out, err = run(capsys, "--hf-dir", hf_dir, "--dry-run")
-    assert rc == 1 and "5 problem(s)" in err[-1]  # the 3, and 2 inventory counts
+    assert rc == 2 and "5 problem(s)" in err[-1]  # the 3, and 2 inventory counts
     problems = out.split("problem(s):")[1]
     for message in (wrong_shape, unexpected, missing):
         assert message in problems
@@ -195,7 +195,7 @@ def test_existing_out_needs_force(source, tmp_path, capsys):
     out.mkdir()
     (out / "stale").write_text("old")
     rc, _, err = run(capsys, "--hf-dir", source, "--out", out)
-    assert rc == 1 and "already exists" in err[-1] and (out / "stale").exists()
+    assert rc == 2 and "already exists" in err[-1] and (out / "stale").exists()
     rc, _, _ = run(capsys, "--hf-dir", source, "--out", out, "--force")
     assert rc == 0 and not (out / "stale").exists()
     assert (out / "model.yml").is_file() and (out / store.PARAMS_DIR / "_METADATA").is_file()

@@ -277,7 +277,7 @@ def test_model_config_disagreeing_with_config_json_names_every_key(small_k3, tmp
                      "num_experts: 32\n")
     rc, _, err = run_convert(capsys, "--hf-dir", root / "hf", "--out", tmp_path / "o",
                              "--model-config", other)
-    assert rc == 1 and not (tmp_path / "o").exists()
+    assert rc == 2 and not (tmp_path / "o").exists()
     [line] = err.strip().splitlines()
     assert "on 2 model key(s)" in line
     assert "hidden_size: 96 vs 64" in line and "num_experts: 32 vs 16" in line

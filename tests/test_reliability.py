@@ -470,10 +470,30 @@ def test_an_output_directory_that_cannot_be_is_one_line(small_hf, tmp_path, caps
         rc = synthetic.main(["--model-config", str(MODELS / "k3-tiny.yml"), "--out", out,
                              *(["--force"] if force else [])])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 1 and len(err) == 1, err
+    assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(f"error: {message.format(out=out, tmp=tmp_path)}"), err
     assert [p.name for p in tmp_path.iterdir()] == ["file"]  # untouched, nothing left beside it
     assert (tmp_path / "file").read_text() == "kept"
+
+
+@pytest.mark.parametrize("error,status", [
+    (ConfigError("bad key"), 2), (FileNotFoundError(2, "No such file", "x.yml"), 2),
+    (files.OutputError("out exists"), 2), (OSError(28, "No space left on device"), 1),
+])
+def test_every_command_exits_2_for_its_input_and_1_for_the_machine(tmp_path, capsys,
+                                                                   monkeypatch, error, status):
+    """The config CLIs, the converter and make_tiny_checkpoint classify an error alike."""
+    def fail(*args, **kwargs):
+        raise error
+
+    assert cli.main([CPU], "k3text.decode", "", fail) == status
+    monkeypatch.setattr(convert, "convert", fail)
+    assert convert.main(["--hf-dir", str(tmp_path), "--out", str(tmp_path / "o")]) == status
+    monkeypatch.setattr(synthetic, "write_checkpoint", fail)
+    assert synthetic.main(["--model-config", str(MODELS / "k3-tiny.yml"), "--out",
+                           str(tmp_path / "o")]) == status
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {error}"] * 3, err
 
 
 @pytest.fixture(scope="module")
@@ -486,7 +506,7 @@ def small_hf(tmp_path_factory):
 
 def test_convert_refuses_a_file_for_its_source(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
-    assert convert.main(["--hf-dir", str(tmp_path / "file"), "--out", str(tmp_path / "out")]) == 1
+    assert convert.main(["--hf-dir", str(tmp_path / "file"), "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.strip() == (f"error: {tmp_path / 'file'}: not a checkpoint "
                                                f"directory (it is not a directory)")
 
@@ -496,7 +516,7 @@ def test_convert_never_replaces_its_own_source(small_hf, tmp_path, capsys, where
     hf = Path(shutil.copytree(small_hf, tmp_path / "hf"))
     before = sorted(p.name for p in hf.iterdir())
     out = hf if where == "itself" else tmp_path
-    assert convert.main(["--hf-dir", str(hf), "--out", str(out), "--force", "--no-progress"]) == 1
+    assert convert.main(["--hf-dir", str(hf), "--out", str(out), "--force", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --out {out} would replace the checkpoint being converted ({hf}); "
                    f"give another directory"]
@@ -524,7 +544,7 @@ def test_make_tiny_checkpoint_checks_its_output_first_and_leaves_nothing_when_st
     (tmp_path / "out").mkdir()
     monkeypatch.setattr(synthetic, "random_params",
                         lambda *a: pytest.fail("built the model before checking --out"))
-    assert synthetic.main(args) == 1 and "already exists" in capsys.readouterr().err
+    assert synthetic.main(args) == 2 and "already exists" in capsys.readouterr().err
     (tmp_path / "out").rmdir()
     monkeypatch.undo()
 

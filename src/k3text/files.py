@@ -7,7 +7,8 @@
   target kept unless replacing it was asked for;
 - `uninterrupted`: SIGINT and SIGTERM held off while cleanup runs, so a second signal (or the
   first arriving mid-cleanup) cannot leave a staging copy behind;
-- `gc_safe`: a signal handler that never raises inside a garbage-collector callback.
+- `gc_safe`: a signal handler that never raises inside a garbage-collector callback;
+- `exit_status`: 2 for an error in a command's input, 1 for the machine's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ from typing import IO, Any
 
 class OutputError(ValueError):
     """An output path that cannot be written, or that exists and may not be replaced."""
+
+
+def exit_status(error: BaseException) -> int:
+    """A command's exit status when `error` stops it: 2 when the input is at fault (every
+    k3text input error is a ValueError: ConfigError, CheckpointError, OutputError; and a path
+    that does not exist), 1 when the machine is (any other OSError: a full disk, a lost
+    mount)."""
+    return 2 if isinstance(error, ValueError | FileNotFoundError) else 1
 
 
 _SIGNALS = {signal.SIGINT, signal.SIGTERM}

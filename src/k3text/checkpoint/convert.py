@@ -489,7 +489,7 @@ def _dry_run(args: argparse.Namespace) -> int:
         print("\n".join(f"  {p}" for p in problems))
         print(f"error: the checkpoint does not match the model config ({len(problems)} "
               f"problem(s), listed above)", file=sys.stderr)
-        return 1
+        return 2
     print("\nok: the checkpoint matches the model config")
     return 0
 
@@ -513,9 +513,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"tensors ({plan.source.layout} layout, {inv.vision} vision tensors "
                       f"dropped)")
             return 0
-    except (CheckpointError, ConfigError, OSError) as e:  # UnknownTensorError included
+    except (CheckpointError, ConfigError, files.OutputError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return files.exit_status(e)
     except Interrupted as e:
         print(e.message(), file=sys.stderr)
         return e.exit_code

@@ -111,9 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = load_config(args.model_config)
             layout = write_checkpoint(cfg, args.out, args.layout, args.seed, args.shards,
                                       args.force)
-    except (CheckpointError, ConfigError, OSError) as e:  # UnknownTensorError included
+    except (CheckpointError, ConfigError, files.OutputError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return files.exit_status(e)
     except (KeyboardInterrupt, SystemExit) as e:
         print("interrupted; nothing was written", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else (e.code or 1)

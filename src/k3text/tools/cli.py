@@ -18,7 +18,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from k3text import files
-from k3text.checkpoint.safetensors_io import CheckpointError
 from k3text.config import Config, ConfigError, load_config
 
 
@@ -41,14 +40,10 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
     try:
         with files.unwinding_signals(_terminate):
             body(load_config(argv[0], argv[1:]))
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)  # OutputError included (a ValueError)
-        _quiet_from_here()
-        return 2
-    except OSError as e:  # the machine's, not the input's (a full disk, a lost mount)
+    except (ValueError, OSError) as e:  # ConfigError, CheckpointError and OutputError included
         print(f"error: {e}", file=sys.stderr)
         _quiet_from_here()
-        return 1
+        return files.exit_status(e)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         _quiet_from_here()
