@@ -471,6 +471,71 @@ def test_a_failure_at_any_call_finishes_every_request_and_the_server_goes_on(tin
     assert "error" in reasons and reasons[-1] == "length", reasons
 
 
+def test_non_finite_logits_fail_their_own_request_alone(tiny, monkeypatch, caplog):
+    """A token whose embedding is NaN (a broken checkpoint) makes NaN logits for every sequence
+    that reads it: each such request, prompted with it or generating it, ends in an error
+    instead of tokens sampled from NaN; every other request, sharing its prefill batch and its
+    decode calls, gets exactly what it gets from the intact model; the slots come back free.
+    The offline driver says how many of its sequences are broken."""
+    from k3text import decode
+    from k3text.layers.initializers import Init
+    from k3text.models.decoder import Decoder
+    from k3text.serving.scheduler import Finished, Request, Scheduler
+
+    cfg, engine = tiny
+    poison = 7
+    model = Decoder(cfg, Init(3))  # the tiny fixture's weights
+    model.embed.table[...] = model.embed.table[...].at[poison].set(jnp.nan)
+    broken = engine_for(cfg, model)
+    cfg = cfg.replace(per_device_batch_size=3, serve_prefill_batch=2, serve_steps_per_call=2)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, cfg.vocab_size, n).tolist() for n in (5, 20, 9, 33, 12, 40, 3)]
+    prompts[1][3] = prompts[4][0] = poison
+
+    def run(engine):
+        scheduler = Scheduler(cfg, engine, None)
+        results = [dict(ids=[], end=None, done=threading.Event()) for _ in prompts]
+
+        def sink(result):
+            def receive(event):
+                if isinstance(event, Finished):
+                    result["end"] = (event.reason, event.error)
+                    result["done"].set()
+                else:
+                    result["ids"] += event.ids
+            return receive
+
+        scheduler.start()
+        try:
+            for prompt, result in zip(prompts, results, strict=True):
+                scheduler.submit(Request(prompt, SamplingParams(max_tokens=8, temperature=0.0),
+                                         sink(result)))
+            for i, result in enumerate(results):
+                assert result["done"].wait(300), f"request {i} never ended"
+            value = scheduler.metrics.registry.get_sample_value
+            assert value("k3text_requests_running") == 0 and value("k3text_slots_used") == 0
+        finally:
+            scheduler.stop()
+        return results
+
+    intact, got = run(engine), run(broken)
+    failing = 0
+    for i, (want, result) in enumerate(zip(intact, got, strict=True)):
+        assert want["end"] == ("length", None)
+        if poison in prompts[i] or poison in want["ids"][:-1]:
+            failing += 1
+            reason, error = result["end"]
+            assert reason == "error" and "non-finite logits" in error, (i, result["end"])
+            assert result["ids"] == want["ids"][:len(result["ids"])], i  # none after NaN
+        else:
+            assert result["ids"] == want["ids"] and result["end"] == ("length", None), i
+    assert 2 <= failing < len(prompts)
+    monkeypatch.setattr(decode, "build", lambda cfg: (broken, broken.ctx))
+    with caplog.at_level("WARNING", "k3text.decode"):
+        decode.run(cfg.replace(prompt_ids=",".join(map(str, prompts[1])), progress=False))
+    assert "1 of 1 sequences hold tokens sampled from non-finite logits" in caplog.text
+
+
 def test_insert_overwrites_every_array_of_a_poisoned_slot(tiny):
     """Slots full of another occupant's garbage (NaN states, huge lengths, active flags) give
     exactly what a fresh batch gives, and padding rows (slot -1) write nowhere."""

@@ -334,6 +334,10 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         records += result_records(cfg, group, gen, tokenizer)
         bar.update(len(group))
     bar.close()
+    broken = sum(not all(map(math.isfinite, lps)) for g in gens for lps in g.output_logprobs)
+    if broken:  # the sampler still picks a token from NaN logits; it is not an answer
+        log.warning("%d of %d sequences hold tokens sampled from non-finite logits (NaN or "
+                    "inf): the model's weights or activations are broken", broken, len(records))
     if jax.process_index() == 0:
         print_results(records)
         print(f"compile {compile_seconds:.1f} s (prefill chunk and decode loop at batch {batch}; "

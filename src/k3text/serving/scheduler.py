@@ -38,6 +38,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import math
 import secrets
 import threading
 import time
@@ -676,13 +677,21 @@ class Scheduler:
                 log.error("request %d in slot %d is inactive on the device", r.id, r.slot)
                 self._end(r, "error", on_device=False, error="internal error: the slot stopped")
             return
+        device_done = not bool(out.active[row])
+        broken = next((i for i, lp in enumerate(lps) if not math.isfinite(lp)), None)
+        if broken is not None:  # NaN or inf logits: nothing sampled from them is an answer
+            log.error("request %d: the model gave non-finite logits at its token %d",
+                      r.id, r.produced - n + broken)
+            self._end(r, "error", on_device=not device_done,
+                      error="internal error: the model produced non-finite logits (NaN or "
+                            "inf); its weights or activations are broken")
+            return
         now = time.monotonic()
         if r.first_token_at is None:
             r.first_token_at = now
             self.metrics.ttft.observe(now - r.arrival)
         self.metrics.generation_tokens.inc(len(ids))
         stops = set(r.stop_ids.tolist()) - {-1}
-        device_done = not bool(out.active[row])
         hit_stop_id = device_done and ids[-1] in stops
         keep = len(ids) - hit_stop_id
         n_top = r.params.logprobs or 0
