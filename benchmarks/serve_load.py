@@ -404,10 +404,11 @@ class Offline:
         `ceiling`: decode / (decode + riding prefill), the saturation ratio with every slot
         always busy and no cost but the work itself."""
         from k3text.inference import sampling
+        from k3text.serving.scheduler import prefill_rows
 
         engine, cfg, slots = self.engine, self.engine.cfg, self.slots
         chunk = cfg.prefill_chunk_size
-        rows = max(1, min(cfg.serve_prefill_batch, slots))
+        rows = prefill_rows(cfg)
         stop = np.tile(engine.stop_ids(), (rows, 1))
         params = sampling.config_sampling(cfg, rows, list(range(rows)))
         fill = [r["prompt"] for r in self.requests[:slots]]

@@ -156,7 +156,12 @@ def test_eight_devices_equal_one_device_chunked(reference, mode, rows):
     engine = engine_for(split, seed=4)
     assert engine.ctx.size("batch") == 2 and engine.ctx.size("cache_seq") == 4
     _assert_prefixes_equal(engine.prefill(prompts[:1]), want_prefixes[rows], len(prompts[0]))
+    # The offline driver's warm-up for prompts prefilled one at a time: every program at every
+    # shape decode_batch then runs (the context-parallel prefix's insert included).
+    engine.warm_up(4, prefill_batch=engine.ctx.size("batch"))
+    warmed = set(engine._shapes_seen)
     got = engine.decode_batch(prompts, batch=4)
+    assert engine._shapes_seen == warmed, engine._shapes_seen - warmed
     for i in range(len(prompts)):
         assert got.output_ids[i] == want.output_ids[i], f"prompt {i}"
         np.testing.assert_allclose(got.output_logprobs[i], want.output_logprobs[i], atol=1e-4,
@@ -230,11 +235,15 @@ def test_the_memory_tool_says_when_it_pays(capsys):
 def test_the_scheduler_prefills_long_prompts_context_parallel():
     """Served in-process on 8 devices (rows over data=2): long prompts take the
     context-parallel call, short ones the chunked groups, and every output equals the same
-    workload served with chunked prefill only (greedy and seeded, tokens identical)."""
+    workload served with chunked prefill only (greedy and seeded, tokens identical). The
+    default `serve_prefill_batch` (1) is rounded up to the two batch shards, and the server's
+    warm-up compiles every program at every shape the workload then runs."""
+    from k3text.serving.scheduler import prefill_rows
+
     cfg = _config("k3-tiny", "ici_data_parallelism=2", "ici_tensor_parallelism=2",
                   "ici_expert_parallelism=2", "per_device_batch_size=2",
-                  "serve_prefill_batch=2", "serve_steps_per_call=2",
-                  "serve_prefill_token_budget=32")
+                  "serve_steps_per_call=2", "serve_prefill_token_budget=32")
+    assert cfg.serve_prefill_batch == 1 and prefill_rows(cfg) == 2
     rng = np.random.default_rng(6)
     requests = []
     for n in (100, 5, 40, 17, 64, 3, 90, 33):
@@ -247,8 +256,12 @@ def test_the_scheduler_prefills_long_prompts_context_parallel():
     chunked, _ = serve(engine_for(cfg, seed=3), cfg, requests)
     parallel_cfg = cfg.replace(prefill_context_parallelism=2)
     engine = engine_for(parallel_cfg, seed=3)
+    engine.warm_up(cfg.global_batch_size, cfg.serve_steps_per_call,
+                   prefill_batch=prefill_rows(cfg), top_n=cfg.serve_max_logprobs, serving=True)
+    warmed = set(engine._shapes_seen)
     parallel, scheduler = serve(engine, parallel_cfg, requests)
     assert ("context-parallel prefill", "2 x 16 tokens") in engine._shapes_seen
+    assert engine._shapes_seen == warmed, engine._shapes_seen - warmed  # nothing compiled late
     for i, (a, b) in enumerate(zip(chunked, parallel, strict=True)):
         assert a["ids"] == b["ids"], f"request {i}"
         np.testing.assert_allclose(b["lps"], a["lps"], atol=1e-4, err_msg=f"request {i}")

@@ -403,16 +403,22 @@ class _FailingFetch(_FetchHook):
         return later
 
 
-def test_a_failure_at_any_call_finishes_every_request_and_the_server_goes_on(tiny,
+@pytest.mark.parametrize("apart", [False, True], ids=["riding", "prefill apart"])
+def test_a_failure_at_any_call_finishes_every_request_and_the_server_goes_on(tiny, apart,
                                                                                monkeypatch):
     """A decode call failing when its tokens are fetched (each call in turn), or the host
     failing while it delivers them, with overlapped calls and slots handed over early: every
     request still gets its end (tokens or an error, never silence), the gauges come back to
-    zero, and the next request is served."""
+    zero, and the next request is served. With the prefill on its own mesh a handed-over slot
+    is refilled before the call still decoding for its request is delivered: that request
+    too."""
+    from k3text.serve import build_prefill_engine
     from k3text.serving.scheduler import Finished, Request, Scheduler
 
     cfg, engine = tiny
-    cfg = cfg.replace(serve_overlap=True, per_device_batch_size=3, serve_steps_per_call=2)
+    cfg = cfg.replace(serve_overlap=True, per_device_batch_size=3, serve_steps_per_call=2,
+                      serve_prefill_apart=apart)
+    prefill_engine = build_prefill_engine(cfg, engine)
     rng = np.random.default_rng(9)
     requests = [(rng.integers(3, cfg.vocab_size, n).tolist(),
                  SamplingParams(max_tokens=m, temperature=0.0))
@@ -420,7 +426,7 @@ def test_a_failure_at_any_call_finishes_every_request_and_the_server_goes_on(tin
                                 (7, 3, 8, 1, 6, 8, 2, 5, 8, 4), strict=True)]
 
     def run(failing, extra=()):
-        scheduler = Scheduler(cfg, failing, None)
+        scheduler = Scheduler(cfg, failing, None, prefill_engine=prefill_engine)
         done = [threading.Event() for _ in [*requests, *extra]]
         reasons = [None] * len(done)
 
@@ -563,6 +569,38 @@ def test_insert_overwrites_every_array_of_a_poisoned_slot(tiny):
     assert np.isfinite(np.asarray(pool.state.kda_recurrent)).all()
 
 
+def test_engine_calls_refuse_what_they_cannot_do(tiny, monkeypatch):
+    """Bad arguments to the engine's calls are one ConfigError naming the problem; -1 is a
+    padding row to `release` as to `insert`; running out of device memory names the setting
+    to lower."""
+    from k3text.config import ConfigError
+
+    cfg, engine = tiny
+    with pytest.raises(ConfigError, match="at least one prompt"):
+        engine.decode_batch([])
+    with pytest.raises(ConfigError, match="3 prompts do not fit a pool of 2 slots"):
+        engine.decode_batch([[5], [6], [7]], batch=2)
+    with pytest.raises(ConfigError, match="prompts of at least one token each, got 2 of"):
+        engine.prefill([[5, 6], []])
+    pool, _ = engine.insert(engine.new_pool(2), engine.prefill([[5, 6, 7]]), [1], [8],
+                            engine.stop_ids()[None], sampling.config_sampling(cfg, 1))
+    pool = engine.release(pool, [-1])
+    pool, out = engine.generate(pool, 2)
+    assert out.count.tolist() == [0, 2]  # slot 1 (the last) still decodes
+
+    def exhausted():
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setitem(engine._zeros, ("store", 7), exhausted)
+    with pytest.raises(ConfigError, match="prefix cache's store of 7 blocks needs .* lower "
+                                          "prefix_cache_bytes"):
+        engine.new_store(7)
+    monkeypatch.setitem(engine._zeros, ("pool", 5), exhausted)
+    with pytest.raises(ConfigError, match="decode state for 5 slots of 128 positions needs .* "
+                                          "lower max_target_length or per_device_batch_size"):
+        engine.new_pool(5)
+
+
 def test_a_released_slot_stops_and_is_reused_cleanly(tiny):
     cfg, engine = tiny
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
@@ -651,11 +689,31 @@ def test_a_stream_holds_back_what_may_start_a_stop_string(tokenizer):
     assert stream.add(tokenizer.encode(" is")) == " capital is"
 
 
-def test_a_jinja_chat_template_renders_like_hugging_face(tmp_path):
+def test_a_stream_holds_back_a_stop_strings_start_behind_a_split_character():
+    """A stop string whose second character arrives split over two byte-level tokens: the
+    first character stays held back while the second is incomplete, so the stream, like the
+    whole text, ends before the stop string."""
+    from types import SimpleNamespace
+
+    from k3text.serving.text import TextStream
+
+    tokens = SimpleNamespace(vocab_size=256,  # one token per byte
+                             decode=lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    stream = TextStream(tokens, ["a\u00e9"])
+    sent = [stream.add([t]) for t in (*b"xa", *"\u00e9".encode())]
+    assert sent == ["x", "", "", ""] and stream.text == "x" and stream.stopped
+    stream = TextStream(tokens, ["a\u00e9"])  # the same start, another character after it
+    sent = [stream.add([t]) for t in (*b"xa", *"\u00e8".encode())]
+    assert "".join(sent) == "xa\u00e8" and not stream.stopped
+
+
+@pytest.mark.parametrize("bos", ["<s>", {"__type": "AddedToken", "content": "<s>",
+                                         "lstrip": False, "rstrip": False}])
+def test_a_jinja_chat_template_renders_like_hugging_face(tmp_path, bos):
     from k3text.serving.text import ChatTemplate
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "chat_template":
+        "bos_token": bos, "chat_template":
         "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{% continue %}"
         "{% endif %}[{{ m.role }}]{{ m.content }}\n{% endfor %}"
         "{% if add_generation_prompt %}[assistant]{% endif %}"}))
@@ -951,6 +1009,15 @@ def test_text_prompt_and_chat(shipped, tokenizer):
     r = client.completions.create(model="k3-small", prompt="The capital of Zapouvia is",
                                   max_tokens=8, temperature=0)
     assert r.choices[0].text == " Stun." and r.choices[0].finish_reason == "stop"
+    # Tokens a stop string cuts off (decoded in the same call after it) are not generated
+    # tokens: the counter agrees with usage.
+    before = server.metrics()["k3text_generation_tokens_total"]
+    r = client.completions.create(model="k3-small", prompt="The capital of Zapouvia is",
+                                  max_tokens=8, temperature=0, stop=["."],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == " Stun" and r.choices[0].finish_reason == "stop"
+    counted = server.metrics()["k3text_generation_tokens_total"] - before
+    assert counted == r.usage.completion_tokens < 8, (counted, r.usage)
     chat = client.chat.completions.create(
         model="k3-small", messages=[{"role": "user", "content": "The capital of Zapouvia is"}],
         max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)

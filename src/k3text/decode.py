@@ -314,12 +314,16 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     engine, ctx = build(cfg)
     batch = cfg.global_batch_size
     groups = [[r.prompt_ids for r in group] for group in batches(requests, batch)]
+    # A group holding a context-parallel prompt, and every group with a prefix cache, is
+    # prefilled and inserted one prompt at a time (`decode_batch`), at the batch axes' rows.
+    alone = [cfg.enable_prefix_caching or any(engine.context_parallel([p]) for p in group)
+             for group in groups]
     # Only the prefill widths these prompts run, where the driver can tell them in advance.
-    widths = None if cfg.enable_prefix_caching or any(
-        engine.context_parallel([p]) for group in groups for p in group) else \
+    widths = None if any(alone) else \
         set().union(*(engine.prefill_widths(group) for group in groups))
     # Reported apart: the throughput below is without it.
-    compile_seconds = engine.warm_up(batch, widths=widths)
+    compile_seconds = sum(engine.warm_up(batch, widths=widths, prefill_batch=rows) for rows in
+                          {engine.ctx.size("batch") if a else batch for a in alone})
     records: list[dict[str, Any]] = []
     gens = []
     bar = tqdm(total=len(requests), desc="decode", unit="prompt", file=sys.stderr,

@@ -40,7 +40,7 @@ from k3text.serving.api import ServerState, create_app  # noqa: E402
 from k3text.serving.metrics import Metrics  # noqa: E402
 from k3text.serving.multihost import LeaderEngine, follow  # noqa: E402
 from k3text.serving.protocol import Protocol  # noqa: E402
-from k3text.serving.scheduler import Scheduler  # noqa: E402
+from k3text.serving.scheduler import Scheduler, prefill_rows  # noqa: E402
 from k3text.serving.text import ChatTemplate  # noqa: E402
 from k3text.tokenizer import load_tokenizer  # noqa: E402
 from k3text.tools import cli  # noqa: E402
@@ -119,7 +119,7 @@ def serve(cfg: Config) -> None:
                 engine = LeaderEngine(engine)
                 leaders.append(engine)
             seconds = engine.warm_up(slots, cfg.serve_steps_per_call,
-                                     prefill_batch=min(cfg.serve_prefill_batch, slots),
+                                     prefill_batch=prefill_rows(cfg),
                                      top_n=cfg.serve_max_logprobs, serving=True,
                                      prefill_engine=prefill_engine)
             scheduler = Scheduler(cfg, engine, tokenizer, metrics, prefill_engine)

@@ -209,11 +209,16 @@ class Engine:
                 shardings = sharding.tree_shardings(axes, shapes, self.ctx)
                 need = sum(sharding.shard_bytes(sh, s.shape, s.dtype) for s, sh in
                            zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True))
+                unit = "slots" if kind in ("pool", "slots") else "rows"
+                what, lower = (
+                    (f"the prefix cache's store of {batch:,} blocks", "prefix_cache_bytes")
+                    if kind == "store" else
+                    (f"the decode state for {batch} {unit} of {cache_length(self.cfg):,} "
+                     f"positions", "max_target_length or per_device_batch_size"))
                 raise ConfigError(
-                    f"the decode state for {batch} slots of {cache_length(self.cfg):,} positions "
-                    f"needs {need / 2**30:,.2f} GiB per device, more than the device could "
-                    f"allocate; lower max_target_length or per_device_batch_size "
-                    f"(python -m k3text.tools.memory CONFIG shows the trade-off)") from None
+                    f"{what} needs {need / 2**30:,.2f} GiB per device, more than the device "
+                    f"could allocate; lower {lower} (python -m k3text.tools.memory CONFIG shows "
+                    f"the trade-off)") from None
 
     def new_state(self, batch: int) -> DecodeState:
         """Zero decode state for `batch` slots, created directly in its sharding."""
@@ -317,6 +322,9 @@ class Engine:
         if self.context_parallel(prompts, cache):
             return self._prefill_context_parallel(prompts[0])
         batch = batch or len(prompts)
+        if not prompts or min(map(len, prompts)) == 0 or batch < len(prompts):
+            raise ConfigError(f"prefill needs 1 to {batch} prompts of at least one token each, "
+                              f"got {len(prompts)} of {sorted(map(len, prompts))} tokens")
         chunk = cfg.prefill_chunk_size
         longest = max(len(p) for p in prompts)
         padded = -(-longest // chunk) * chunk
@@ -450,9 +458,10 @@ class Engine:
         return pool, prefix, Later((out, first, rest), tokens_of)
 
     def release(self, pool: Pool, slots: Sequence[int]) -> Pool:
-        """Mark `slots` free (their state is left; the next `insert` overwrites all of it)."""
+        """Mark `slots` free (their state is left; the next `insert` overwrites all of it);
+        -1 entries are ignored."""
         free = np.zeros(pool.slots.tokens.shape[0], bool)
-        free[list(slots)] = True
+        free[[s for s in slots if s >= 0]] = True  # -1: a padding row, as `insert` takes it
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             return self._release(pool, self._global(free, ("batch",)))
 
@@ -514,17 +523,21 @@ class Engine:
         for width in widths:
             chunk = np.full((prefill_batch, width), cfg.pad_token_id, np.int32)
             prefix = prefiller.prefill_chunk(prefix, chunk, np.zeros(chunk.shape, bool), 0)
+        prefixes = [prefix]
         rows = cfg.prefill_context_parallelism
-        if rows > 1:  # the context-parallel call long prompts take
+        if rows > 1:  # the context-parallel call long prompts take, and its insert
             window = np.full((rows, cfg.prefill_chunk_size), cfg.pad_token_id, np.int32)
-            prefiller.prefill_slices(prefiller.new_prefix(rows), window,
-                                     np.zeros(window.shape, bool), 0)
+            prefixes.append(prefiller.prefill_slices(prefiller.new_prefix(rows), window,
+                                                     np.zeros(window.shape, bool), 0))
         if prefill_engine is not None:
-            prefix = self.adopt(prefix)
+            prefixes = [self.adopt(p) for p in prefixes]
         pool = self.new_pool(batch)
-        pool, _ = self.insert(pool, prefix, [-1] * prefill_batch, [1] * prefill_batch,
-                              np.tile(self.stop_ids(), (prefill_batch, 1)),
-                              sampling.config_sampling(cfg, prefill_batch), top_n)
+        for padding in prefixes:
+            n = padding.logits.shape[0]
+            pool, _ = self.insert(pool, padding, [-1] * n, [1] * n,
+                                  np.tile(self.stop_ids(), (n, 1)),
+                                  sampling.config_sampling(cfg, n), top_n)
+        prefix = prefixes[0]
         pool, _ = self.generate(pool, max(max_steps, 1), top_n)
         if serving and prefill_engine is None:
             for width in widths:
@@ -549,6 +562,10 @@ class Engine:
         context-parallel (`context_parallel`)."""
         cfg = self.cfg
         max_steps = cfg.max_decode_steps if max_steps is None else max_steps
+        if not prompts:
+            raise ConfigError("decode_batch needs at least one prompt")
+        if batch is not None and batch < len(prompts):
+            raise ConfigError(f"{len(prompts)} prompts do not fit a pool of {batch} slots")
         limits = [max_steps] * len(prompts) if limits is None else list(limits)
         if len(limits) != len(prompts) or min(limits) < 1:
             raise ConfigError(f"limits must give each of the {len(prompts)} prompts at least "

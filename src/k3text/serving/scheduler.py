@@ -58,6 +58,14 @@ from k3text.tokenizer import Tokenizer
 log = logging.getLogger("k3text.serve")
 
 
+def prefill_rows(cfg: Config) -> int:
+    """The rows of the scheduler's prefill program, the most prompts one group takes:
+    `serve_prefill_batch`, capped at the slot count and rounded up to a multiple of the batch
+    mesh axes' size (the rows split over them, one or more per shard)."""
+    shards = cfg.axis_size("batch")
+    return -(-min(cfg.serve_prefill_batch, cfg.global_batch_size) // shards) * shards
+
+
 class QueueFull(Exception):
     """`max_queued_requests` requests are already waiting."""
 
@@ -163,7 +171,7 @@ class Scheduler:
         self.num_slots = cfg.global_batch_size
         self.metrics = metrics or Metrics(self.num_slots)
         self.top_n = cfg.serve_max_logprobs
-        self.prefill_batch = min(cfg.serve_prefill_batch, self.num_slots)
+        self.prefill_batch = prefill_rows(cfg)
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._accepting = False
@@ -290,15 +298,19 @@ class Scheduler:
         return self._decoding | {r.slot: r for _, r in pending}
 
     def _holding(self) -> list[Request]:
-        """Every request a slot is decoding for, or was until it was handed over early: unlike
-        `decoding`, a request whose slot already went to a row the in-flight call inserts is
-        here beside that row, as is a row of the call being delivered that has not joined."""
+        """Every unfinished request a slot is decoding for, or was until it was handed over
+        early, once each: unlike `decoding`, a request whose slot already went to another row
+        (inserted by the in-flight call, or on the prefill mesh's side at once) is here while a
+        call still decodes for it, as is a row of the call being delivered that has not joined."""
         calls = [c for c in (self._in_flight_call, self._delivering) if c is not None]
-        return [*self._decoding.values(), *(r for c in calls for _, r in c.inserted)]
+        held = [*self._decoding.values(),
+                *(r for c in calls for _, r in (*c.owners, *c.inserted))]
+        return list({id(r): r for r in held if not r.done}.values())
 
     def _update_gauges(self) -> None:
         m = self.metrics
-        m.running.set(len(self.decoding()) + (len(self._prefill.live) if self._prefill else 0))
+        m.running.set(len({id(r) for r in [*self._holding(),
+                                           *(self._prefill.live if self._prefill else [])]}))
         m.slots_used.set(self.num_slots - len(self._free))
         with self._cv:
             m.waiting.set(len(self._waiting))
@@ -525,8 +537,10 @@ class Scheduler:
 
     def _inserted(self, job: _Prefill, ready: list[int], first: Tokens) -> None:
         """Rows `ready` of `job` are in their slots: they decode from now on."""
-        self._joined([(i, r) for i, r in zip(ready, self._take_rows(job, ready), strict=True)],
-                     first)
+        rows = [(i, r) for i, r in zip(ready, self._take_rows(job, ready), strict=True)]
+        for _, r in rows:  # held from here, so a failure while they join still ends them
+            self._decoding[r.slot] = r
+        self._joined(rows, first)
 
     def _take_rows(self, job: _Prefill, ready: list[int]) -> list[Request]:
         """Rows `ready` of `job` leave it for their slots."""
@@ -690,7 +704,6 @@ class Scheduler:
         if r.first_token_at is None:
             r.first_token_at = now
             self.metrics.ttft.observe(now - r.arrival)
-        self.metrics.generation_tokens.inc(len(ids))
         stops = set(r.stop_ids.tolist()) - {-1}
         hit_stop_id = device_done and ids[-1] in stops
         keep = len(ids) - hit_stop_id
@@ -701,7 +714,9 @@ class Scheduler:
                             strict=True)) for i in range(keep)]
         text = r.text.add(ids[:keep], final=device_done)
         keep = r.text.kept  # fewer when a stop string ended the text early
-        r.generated += keep + (hit_stop_id and not r.text.stopped)  # a stop id counts as usage
+        generated = keep + (hit_stop_id and not r.text.stopped)  # a stop id counts as usage
+        r.generated += generated
+        self.metrics.generation_tokens.inc(generated)  # what usage counts, not what was cut
         self._send(r, Delta(ids[:keep], lps[:keep], top[:keep] if top is not None else None,
                             text))
         if r.text.stopped:
@@ -773,10 +788,15 @@ class Scheduler:
         self._free = list(range(self.num_slots))
         for r in victims:
             self._finish(r, "error", message)
-        self._pool = None  # its buffers were donated to the call that failed
+        # Its buffers went to the call that failed, or go now, before a new pool is allocated;
+        # /health reads the pool, so it stays set (and healthy) unless no new one can be had.
+        for a in jax.tree.leaves(self._pool):
+            if not a.is_deleted():
+                a.delete()
         try:
             self._pool = self.engine.new_pool(self.num_slots)
         except Exception:
+            self._pool = None
             log.exception("could not allocate a new slot pool; /health now answers 503")
         if self.prefix_cache is not None:
             self._reset_prefix_cache()

@@ -104,17 +104,17 @@ class TextStream:
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
-    """Characters at the end of `text` not yet safe to send: an incomplete UTF-8 character, or
-    the longest tail that begins some stop string."""
-    if text.endswith(_INCOMPLETE):
-        return len(text) - len(text.rstrip(_INCOMPLETE))
+    """Characters at the end of `text` not yet safe to send: an incomplete UTF-8 character, and
+    before it the longest tail that begins some stop string (which the character, once whole,
+    may continue)."""
+    whole = text.rstrip(_INCOMPLETE)
     hold = 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), hold, -1):
-            if stop.startswith(text[-n:]):
+        for n in range(min(len(stop) - 1, len(whole)), hold, -1):
+            if stop.startswith(whole[-n:]):
                 hold = n
                 break
-    return hold
+    return hold + len(text) - len(whole)
 
 
 def token_text(tokenizer: Tokenizer | None, token: int) -> str:
@@ -159,8 +159,11 @@ class ChatTemplate:
                                                     extensions=["jinja2.ext.loopcontrols"])
                 env.globals["raise_exception"] = _raise
                 self.jinja = env.from_string(source)
-                self.special = {k: v for k, v in json.loads(config.read_text()).items()
-                                if k in ("bos_token", "eos_token") and isinstance(v, str)}
+                # A token is a string, or Hugging Face's AddedToken form {"content": ...}.
+                self.special = {k: v.get("content") if isinstance(v, dict) else v
+                                for k, v in json.loads(config.read_text()).items()
+                                if k in ("bos_token", "eos_token")}
+                self.special = {k: v for k, v in self.special.items() if isinstance(v, str)}
 
     @property
     def special_tokens(self) -> bool:
