@@ -180,8 +180,9 @@ def serve(engine, cfg, requests, poison: bool = False, prefill_engine=None):
 
     scheduler.start()
     try:
-        for (prompt, params), result in zip(requests, results, strict=True):
-            scheduler.submit(Request(list(prompt), params, sink(result)))
+        with scheduler._cv:  # all queued before the first iteration: groups never vary
+            for (prompt, params), result in zip(requests, results, strict=True):
+                scheduler.submit(Request(list(prompt), params, sink(result)))
         for result in results:
             assert result["done"].wait(600), "a request never finished"
     finally:
