@@ -453,7 +453,8 @@ def test_a_failure_at_any_call_finishes_every_request_and_the_server_goes_on(tin
                 assert event.wait(120), f"request {i} never ended ({failing.fail_at})"
             # The request after must be served: with prefill apart, the number of calls the
             # workload takes varies with timing, so a call yet to fail would fail it instead.
-            failing.fail_at = failing.fail_at if failing.fired else -1
+            if not failing.fired:
+                failing.fail_at = -1
             for i, (prompt, params) in enumerate(extra, start=len(requests)):
                 scheduler.submit(Request(list(prompt), params, sink(i)))
                 assert done[i].wait(120)
