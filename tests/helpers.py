@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 from pathlib import Path
 
 import jax
@@ -35,3 +37,24 @@ def engine_for(cfg: Config, model: Decoder | None = None, seed: int = 0) -> Engi
     ctx = mesh_context(cfg)
     model = Decoder(cfg, Init(seed)) if model is None else model
     return Engine(cfg, place_model(model, ctx), ctx)
+
+
+def coordinator_port() -> int:
+    """A free localhost port for a `jax.distributed` coordinator, which the test's subprocesses
+    bind seconds later. It is drawn at random from below the kernel's ephemeral range, where no
+    port-0 bind lands (the servers other tests start, every outgoing connection), so nothing
+    else takes it in between; checked free when drawn."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default range starts here
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(low // 2, low) if low >= 2048 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("localhost", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port below {low} for a jax.distributed coordinator")

@@ -15,7 +15,7 @@ from k3text.layers.initializers import Init
 from k3text.models.decoder import Decoder
 from k3text.ops.mxfp4 import quantize_mxfp4
 
-from helpers import MODELS, mesh_context
+from helpers import MODELS, coordinator_port, mesh_context
 
 
 def test_chunks_tile_every_write_region_and_stay_under_the_cap():
@@ -148,14 +148,11 @@ print(jax.process_index(), jax.local_device_count(), shards)
 @pytest.mark.slow
 def test_restore_across_two_processes(tmp_path):
     import os
-    import socket
 
     model_file = MODELS / "k3-tiny.yml"
     cfg = load_config(model_file)
     save_model(cfg, synthetic.random_params(cfg, seed=3), tmp_path / "ckpt")
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = coordinator_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     workers = [subprocess.Popen([sys.executable, "-c", _RESTORE_WORKER, str(model_file),
                                  str(tmp_path / "ckpt"), str(port), str(rank)], env=env,

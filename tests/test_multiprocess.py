@@ -4,7 +4,6 @@ order of the mesh."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ from k3text.checkpoint import load_model, save_model
 from k3text.config import load_config
 from k3text.inference.engine import Engine
 
-from helpers import MODELS, mesh_context
+from helpers import MODELS, coordinator_port, mesh_context
 
 PROMPTS = [[5, 6, 7, 8], list(range(3, 40)), [9]]
 MESH = ["ici_tensor_parallelism=2", "ici_expert_parallelism=4"]
@@ -80,9 +79,7 @@ def checkpoint(tmp_path_factory):
 
 
 def run_two_processes(path, order):
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = coordinator_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4 "
                                       "--xla_backend_optimization_level=0"}
     workers = [subprocess.Popen(

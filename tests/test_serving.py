@@ -28,7 +28,7 @@ from k3text.serving.multihost import LeaderEngine
 from k3text.serving.scheduler import SamplingParams
 from k3text.tokenizer import load_tokenizer
 
-from helpers import ROOT, engine_for, tiny_config
+from helpers import ROOT, coordinator_port, engine_for, tiny_config
 from serving import CACHED, CPU, SHIPPED, Server, offline_decode
 
 # --------------------------------------------------------------------------------------------
@@ -1484,9 +1484,7 @@ def test_two_processes_serve_like_one(shipped):
     clients leaving, equal the offline decode (greedy) and the same request alone (seeded);
     SIGTERM to process 0 stops both, each exiting 0."""
     _, prompts, reference = shipped
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = coordinator_port()
     path = str(ROOT / "configs" / "inference" / "cpu8-local.yml")
     distributed = ["jax_distributed_initialize=true", f"coordinator_address=localhost:{port}",
                    "num_processes=2"]
