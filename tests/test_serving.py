@@ -808,6 +808,23 @@ def test_neutral_values_of_unsupported_fields_are_accepted(protocol):
     assert chat.prompt_ids == _chat(protocol, [{"role": "user", "content": "x"}]).prompt_ids
 
 
+def test_fields_nothing_reads_are_named_and_every_field_read_is_not(protocol):
+    every = dict(max_tokens=5, max_completion_tokens=None, temperature=0.5, top_p=0.9, top_k=3,
+                 seed=1, stop=["x"], stop_token_ids=[3], logprobs=2, stream=True,
+                 stream_options={"include_usage": True}, ignore_eos=True, return_token_ids=True,
+                 n=1, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                 echo=False, best_of=1, suffix=None, logit_bias={}, min_tokens=0, min_p=0.0,
+                 user="u", metadata={}, store=False, service_tier="auto")
+    assert _completion(protocol, **every).ignored == ()
+    chat = _chat(protocol, [{"role": "user", "content": "x"}], max_completion_tokens=5,
+                 temperature=0.5, top_p=0.9, seed=1, stop="x", logprobs=True, top_logprobs=2,
+                 stream=False, tools=[], tool_choice="none", parallel_tool_calls=False, n=1,
+                 response_format={"type": "text"})
+    assert chat.ignored == ()
+    typo = _completion(protocol, max_token=5, tools=[])  # tools: a chat field
+    assert typo.ignored == ("max_token", "tools") and typo.params == _completion(protocol).params
+
+
 def test_a_batch_of_one_prompt_is_that_prompt(protocol):
     from k3text.serving.protocol import RequestError
 
@@ -1236,7 +1253,10 @@ def test_every_bad_request_is_a_400_naming_its_field_and_good_ones_go_on(shipped
             good_body = {"model": "k3-small", "prompt": prompts[3], "max_tokens": MAX_STEPS,
                          "temperature": 0, "return_token_ids": True}
             good = [asyncio.create_task(client.post("/v1/completions", json=good_body))
-                    for _ in range(4)]
+                    for _ in range(3)]
+            # A field nothing reads (misspelt) is served, and named in the server's log.
+            good.append(asyncio.create_task(client.post(
+                "/v1/completions", json={**good_body, "max_token": 1})))
             bad = []
             for path, body, _ in BAD_REQUESTS:
                 if isinstance(body, bytes):
@@ -1255,6 +1275,11 @@ def test_every_bad_request_is_a_400_naming_its_field_and_good_ones_go_on(shipped
     ids, _ = expected_greedy(reference[3], MAX_STEPS)
     for r in good:
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ids
+    warning = "request fields this server does not read, ignored: max_token"
+    deadline = time.monotonic() + 30  # the log is read by another thread
+    while not any(warning in line for line in server.lines) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert any(warning in line for line in server.lines)
 
 
 def _request_plan(prompts: list[list[int]], n: int, seed: int = 0) -> list[dict]:

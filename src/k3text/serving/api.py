@@ -147,6 +147,11 @@ def create_app(state: ServerState) -> FastAPI:
             parsed = await asyncio.to_thread(parse, raw, chat)
         except RequestError as e:
             return JSONResponse(e.body(), status_code=e.status)
+        if parsed.ignored:  # a client's names: a few, cut short, so no request floods the log
+            names = [name[:40] for name in parsed.ignored[:8]]
+            more = len(parsed.ignored) - len(names)
+            log.warning("request fields this server does not read, ignored: %s%s",
+                        ", ".join(names), f" and {more} more" if more else "")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Delta | Finished] = asyncio.Queue()
         job = Job(parsed.prompt_ids, parsed.params,

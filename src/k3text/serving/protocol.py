@@ -3,7 +3,9 @@
 
 Every check names its field (`RequestError.param`), so a client sees which value is wrong. What
 the server cannot do (n > 1, echo, penalties, batched prompts, tools, structured output, ...: the
-fields of `UNSUPPORTED`) is refused when it is asked for, never silently ignored.
+fields of `UNSUPPORTED`) is refused when it is asked for, never silently ignored. A field that
+nothing here reads at all (a misspelt `max_token`, another server's extension) is accepted, as
+vLLM accepts it, and named in `Parsed.ignored`, which the server logs.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def _absent_or(*neutral: Any) -> Callable[[Any], bool]:
 
 # OpenAI and vLLM request fields this server does not implement, each with the test that its
 # value asks for nothing (then it is accepted); any other value is a 400 naming the field. Fields
-# that cannot change the output (user, metadata, store, parallel_tool_calls, ...) are ignored.
+# that cannot change the output are accepted (`NO_EFFECT`).
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _absent_or(1),
     "logit_bias": _absent_or({}),
@@ -92,6 +94,36 @@ UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
 }
 
 
+# Fields OpenAI's clients send that cannot change the output: accepted without a word.
+NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                       "prompt_cache_key", "safety_identifier"})
+
+
+class _Read(dict):
+    """A request body that remembers which of its fields were looked at (`get`, `[]`, `in`),
+    so that a field nothing reads, a misspelt `max_token` say, can be reported instead of being
+    dropped without a trace."""
+
+    def __init__(self, body: dict):
+        super().__init__(body)
+        self.looked_at: set[str] = set()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.looked_at.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.looked_at.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: Any) -> bool:
+        self.looked_at.add(key)
+        return super().__contains__(key)
+
+    def unread(self) -> tuple[str, ...]:
+        return tuple(sorted(k for k in self if k not in self.looked_at and k not in NO_EFFECT))
+
+
 def _refuse_unsupported(body: dict, fields: dict[str, Callable[[Any], bool]]) -> None:
     for name, asks_nothing in fields.items():
         if name in body and not asks_nothing(body[name]):
@@ -110,6 +142,7 @@ class Parsed:
     return_token_ids: bool
     chat: bool
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    ignored: tuple[str, ...] = ()  # fields the request gave that nothing here reads (sorted)
 
 
 # ---- field checks -----------------------------------------------------------------------------
@@ -252,10 +285,12 @@ class Protocol:
             at = b
         return ids + self._encode_text(rendered[at:], "messages")
 
-    def _common(self, body: Any) -> dict[str, Any]:
+    def _common(self, body: Any) -> _Read:
+        """The checks every endpoint makes; the body, recording the fields read from it."""
         if not isinstance(body, dict):
             raise RequestError(f"the request body must be a JSON object, got "
                                f"{_type_name(body)}")
+        body = _Read(body)
         model = body.get("model")
         if model is None:
             raise RequestError("'model' is required", "model")
@@ -370,7 +405,7 @@ class Protocol:
         stream = _bool(body, "stream", False)
         return Parsed(ids, self._sampling(body, len(ids), logprobs, "prompt"), stream,
                       self._stream_options(body, stream), _bool(body, "return_token_ids", False),
-                      chat=False)
+                      chat=False, ignored=body.unread())
 
     def chat(self, body: Any) -> Parsed:
         body = self._common(body)
@@ -412,7 +447,7 @@ class Protocol:
         return Parsed(ids, self._sampling(body, len(ids), (top or 0) if want else None,
                                           "messages"),
                       stream, self._stream_options(body, stream),
-                      _bool(body, "return_token_ids", False), chat=True)
+                      _bool(body, "return_token_ids", False), chat=True, ignored=body.unread())
 
     # ---- responses ------------------------------------------------------------------------
 
