@@ -74,6 +74,38 @@ def test_eviction_takes_the_oldest_unreferenced_leaf_and_never_cuts_a_chain():
     assert not tree.match([1, 1, 2, 2, 0]) and tree.evictions == 2
 
 
+def test_a_chain_begun_before_a_reset_caches_nothing_after_it():
+    """A prefill group whose chains began before the cache was reset (a failed call consumed
+    the store) goes on running: its later blocks must not take entries under blocks the reset
+    forgot, where nothing could ever match them, nor give back references it no longer holds."""
+    saved = []
+
+    class Engine:  # the device side: record which entries are written
+        def new_store(self, entries):
+            return "store"
+
+        def save_blocks(self, store, prefix, entries, end):
+            saved.append(entries.tolist())
+            return store
+
+    cache = PrefixCache.__new__(PrefixCache)  # the host logic alone, without a mesh
+    cache.engine, cache.block, cache.entries, cache.max_blocks = Engine(), 4, 8, 4
+    cache.tree, cache.store = BlockTree(4, 8), "store"
+    cache.hit_tokens = cache.prompt_tokens = 0
+    prompt = list(range(12))
+    _, start, chains = cache.begin(None, [prompt])
+    cache.after_chunk(None, chains, 4)
+    assert start == 0 and len(saved) == 1 and cache.tree.cached_blocks == 1
+    cache.reset()
+    cache.after_chunk(None, chains, 8)
+    cache.end(chains[0])
+    assert len(saved) == 1 and cache.tree.cached_blocks == 0
+    assert sorted(cache.tree.free_entries()) == list(range(8))
+    _, _, fresh = cache.begin(None, [prompt])  # a new chain after the reset caches again
+    cache.after_chunk(None, fresh, 4)
+    assert cache.tree.cached_blocks == 1 and fresh[0].tail.refs == 1
+
+
 # ---- through the scheduler ---------------------------------------------------------------------
 
 

@@ -62,3 +62,22 @@ def test_same_seed_same_tokens():
     a = sample(cfg, jnp.tile(LOGITS, (8, 1)), jax.random.key(3))[0]
     b = sample(cfg, jnp.tile(LOGITS, (8, 1)), jax.random.key(3))[0]
     np.testing.assert_array_equal(a, b)
+
+
+def test_truncation_cuts_only_the_rows_that_ask_and_top_p_one_cuts_nothing():
+    """Rows cut by their own top-k / top-p; a row asking for neither (top_k 0 or the whole
+    vocabulary, top_p 1) keeps every logit, even tokens whose mass above them rounds to 1 in
+    float32."""
+    from k3text.inference.sampling import _truncated
+
+    vocab = 5001
+    peaked = jnp.full((vocab,), -20.0).at[0].set(20.0)  # all but one token below float32's eps
+    rows = jnp.stack([peaked, peaked, jnp.full((vocab,), -50.0).at[:6].set(LOGITS[0]), peaked])
+    top_k = jnp.asarray([0, vocab, 2, 0], jnp.int32)
+    top_p = jnp.asarray([1.0, 1.0, 1.0, 0.5], jnp.float32)
+    out = np.asarray(_truncated(rows, top_k, top_p))
+    np.testing.assert_array_equal(out[:2], np.asarray(rows[:2]))
+    assert np.isfinite(out[2]).sum() == 2 and np.isfinite(out[2, [1, 5]]).all()
+    assert np.isfinite(out[3]).sum() == 1
+    plain = _truncated(rows[:2], top_k[:2], top_p[:2])
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(rows[:2]))

@@ -498,6 +498,50 @@ def test_a_failure_at_any_call_finishes_every_request_and_the_server_goes_on(tin
     assert "error" in reasons and reasons[-1] == "length", reasons
 
 
+def test_without_a_new_pool_every_request_ends_and_new_ones_are_refused(tiny):
+    """A failed call whose pool cannot be replaced (the device out of memory, say): the
+    requests holding slots and those still waiting all end in an error, /health turns
+    unhealthy and a new request is refused at once, instead of waiting for ever."""
+    from k3text.serving.scheduler import Finished, Request, Scheduler, Unavailable
+
+    cfg, engine = tiny
+    cfg = cfg.replace(per_device_batch_size=2, serve_steps_per_call=2)
+
+    class NoSecondPool(_FailingFetch):
+        pools = 0
+
+        def new_pool(self, slots):
+            self.pools += 1
+            if self.pools > 1:
+                raise RuntimeError("injected: out of device memory")
+            return self._engine.new_pool(slots)
+
+    scheduler = Scheduler(cfg, NoSecondPool(engine, fail_at=1), None)
+    ends = [threading.Event() for _ in range(6)]
+    reasons = [None] * 6
+
+    def sink(i):
+        def receive(event):
+            if isinstance(event, Finished):
+                reasons[i] = event.reason
+                ends[i].set()
+        return receive
+
+    scheduler.start()
+    try:
+        with scheduler._cv:  # more requests than slots: some wait
+            for i in range(6):
+                scheduler.submit(Request([5 + i, 6, 7], SamplingParams(max_tokens=20,
+                                                                      temperature=0.0), sink(i)))
+        for i, end in enumerate(ends):
+            assert end.wait(120), f"request {i} never ended"
+        assert set(reasons) == {"error"} and not scheduler.healthy()
+        with pytest.raises(Unavailable):
+            scheduler.submit(Request([5], SamplingParams(max_tokens=2), sink(0)))
+    finally:
+        scheduler.stop()
+
+
 def test_non_finite_logits_fail_their_own_request_alone(tiny, monkeypatch, caplog):
     """A token whose embedding is NaN (a broken checkpoint) makes NaN logits for every sequence
     that reads it: each such request, prompted with it or generating it, ends in an error
@@ -718,8 +762,7 @@ def test_a_stream_holds_back_a_stop_strings_start_behind_a_split_character():
 
     from k3text.serving.text import TextStream
 
-    tokens = SimpleNamespace(vocab_size=256,  # one token per byte
-                             decode=lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    tokens = SimpleNamespace(vocab_size=256, token_bytes=lambda t: bytes([t]))  # a byte each
     stream = TextStream(tokens, ["a\u00e9"])
     sent = [stream.add([t]) for t in (*b"xa", *"\u00e9".encode())]
     assert sent == ["x", "", "", ""] and stream.text == "x" and stream.stopped
@@ -783,7 +826,9 @@ def _chat(protocol, messages, **fields):
     (True, "tools", [{"type": "function", "function": {"name": "f"}}]),
     (True, "tool_choice", "required"), (True, "response_format", {"type": "json_schema"}),
     (True, "add_generation_prompt", False), (True, "continue_final_message", True),
-    (True, "chat_template", "{{ messages }}"),
+    (True, "chat_template", "{{ messages }}"), (False, "echo", True), (True, "echo", True),
+    (False, "return_tokens_as_token_ids", True), (True, "return_tokens_as_token_ids", True),
+    (False, "add_special_tokens", False), (True, "add_special_tokens", True),
 ])
 def test_fields_that_would_change_the_output_are_refused_naming_them(protocol, chat, field,
                                                                       value):
@@ -823,6 +868,29 @@ def test_fields_nothing_reads_are_named_and_every_field_read_is_not(protocol):
     assert chat.ignored == ()
     typo = _completion(protocol, max_token=5, tools=[])  # tools: a chat field
     assert typo.ignored == ("max_token", "tools") and typo.params == _completion(protocol).params
+    options = _completion(protocol, stream=True, stream_options={"include_usage": True,
+                                                                 "include_usge": True})
+    assert options.ignored == ("stream_options.include_usge",) and options.include_usage
+
+
+def test_stream_options_that_would_change_the_output_are_refused(protocol):
+    from k3text.serving.protocol import RequestError
+
+    with pytest.raises(RequestError, match="continuous_usage_stats") as e:
+        _completion(protocol, stream=True, stream_options={"continuous_usage_stats": True})
+    assert e.value.param == "stream_options"
+    message = [{"role": "user", "content": "x"}]
+    assert _chat(protocol, message, echo=False, add_special_tokens=False).ignored == ()
+    assert _completion(protocol, add_special_tokens=True, length_penalty=2.0).ignored == ()
+
+
+def test_an_empty_text_prompt_is_refused_before_bos_fills_it(protocol):
+    from k3text.serving.protocol import RequestError
+
+    for prompt in ("", [""]):
+        with pytest.raises(RequestError, match="empty") as e:
+            _completion(protocol, prompt=prompt)
+        assert e.value.param == "prompt"
 
 
 def test_a_batch_of_one_prompt_is_that_prompt(protocol):
@@ -843,11 +911,21 @@ def test_token_limits_and_stop_ids_read_as_openai_means_them(protocol):
 
     assert _completion(protocol, max_completion_tokens=None, max_tokens=5).params.max_tokens == 5
     assert _completion(protocol, max_completion_tokens=7, max_tokens=5).params.max_tokens == 7
+    with pytest.raises(RequestError) as e:  # both are checked, though one is used
+        _completion(protocol, max_completion_tokens=3, max_tokens="x")
+    assert e.value.param == "max_tokens"
     assert _completion(protocol, stop_token_ids=None).params.stop_token_ids == ()
-    for bad in (0, False, "", {}):
+    for bad in (0, False, "", {}, ["3"]):
         with pytest.raises(RequestError) as e:
             _completion(protocol, stop_token_ids=bad)
-        assert e.value.param == "stop_token_ids"
+        assert e.value.param == "stop_token_ids" and "a string" not in str(e.value)
+    eos = protocol.cfg.eos_token_id
+    others = [t for t in range(20) if t != eos]
+    assert len(_completion(protocol, stop_token_ids=[eos, *others[:7]]).params.stop_token_ids) == 8
+    with pytest.raises(RequestError, match="at most 7 distinct ids besides eos"):
+        _completion(protocol, stop_token_ids=others[:8])
+    assert len(_completion(protocol, stop_token_ids=others[:8],
+                           ignore_eos=True).params.stop_token_ids) == 8
     with pytest.raises(RequestError) as e:
         _completion(protocol, model="gpt-4")
     assert e.value.status == 404 and e.value.param == "model"
@@ -927,28 +1005,32 @@ def test_logprob_entries_carry_each_tokens_own_bytes_and_offsets(protocol, token
 
 
 def test_text_stream_decodes_incrementally_as_a_whole_decode_would(tokenizer):
-    """Random outputs with characters split across tokens and stop strings: the released text
-    equals the whole-text decode cut at the first stop, and the tokens decoded per call stay
-    bounded (the whole text is not decoded again on every call)."""
+    """Random outputs with characters split across tokens, bytes that are not UTF-8 and stop
+    strings: the released text equals the whole-text decode cut at the first stop, and each
+    token's bytes are read once (the text so far is never decoded again)."""
     from k3text.serving.text import TextStream
 
     rng = random.Random(0)
     words = ["the", " capital", " é", "ü", "日本", " of", ".", "\n", " 10", "🙂"]
-    decoded = []
+    read = []
 
     class Counting:
         vocab_size = tokenizer.vocab_size
 
-        def decode(self, ids):
-            decoded.append(len(ids))
-            return tokenizer.decode(ids)
+        def token_bytes(self, token):
+            read.append(token)
+            return tokenizer.token_bytes(token)
 
+    broken = tokenizer.encode("\u00e9")[:1]  # a lone lead byte, where a token holds one
     for trial in range(40):
         text = "".join(rng.choice(words) for _ in range(rng.randint(1, 60)))
         ids = tokenizer.encode(text) + ([tokenizer.eos_id] if trial % 5 == 0 else [])
+        if trial % 3 == 0 and tokenizer.token_bytes(broken[0]) == b"\xc3":
+            at = rng.randint(0, len(ids))
+            ids[at:at] = broken
         stop = [rng.choice(["capital", " of.", "日", "🙂", "zz"])] if trial % 2 else []
         stream, sent, i = TextStream(Counting(), stop), "", 0
-        decoded.clear()
+        read.clear()
         while i < len(ids) and not stream.stopped:
             step = rng.randint(1, 4)
             sent += stream.add(ids[i:i + step], final=i + step >= len(ids))
@@ -957,8 +1039,27 @@ def test_text_stream_decodes_incrementally_as_a_whole_decode_would(tokenizer):
         cut = min([at for s in stop if (at := whole.find(s)) >= 0], default=len(whole))
         assert sent == stream.text == whole[:cut], (text, stop)
         assert stream.stopped == (cut < len(whole))
-        if not stream.stopped:
-            assert max(decoded, default=0) <= 4 + 4, (text, decoded)
+        assert read == [t for t in stream.ids if t < tokenizer.vocab_size]
+
+
+def test_invalid_bytes_stream_at_once_and_a_split_character_is_no_replacement():
+    """Bytes that can never be UTF-8 become U+FFFD as they come, so a run of them streams
+    (instead of being held to the end and decoded again on every call); a character split over
+    tokens is held whole, so a stop string of U+FFFD does not match its first half."""
+    from types import SimpleNamespace
+
+    from k3text.serving.text import TextStream
+
+    tokens = SimpleNamespace(vocab_size=256, token_bytes=lambda t: bytes([t]))
+    stream = TextStream(tokens)
+    sent = [stream.add([0x80] * 4) for _ in range(2000)]
+    assert sent == ["\ufffd" * 4] * 2000 and stream.add([], final=True) == ""
+    stream = TextStream(tokens, ["\ufffd"])
+    emoji = "\U0001f642".encode()
+    assert "".join(stream.add([t]) for t in (*b"x", *emoji, *b"y")) == "x\U0001f642y"
+    assert not stream.stopped
+    stream = TextStream(tokens, ["\ufffd"])
+    assert stream.add([*b"x", *emoji[:2]], final=True) == "x" and stream.stopped
 
 
 def test_a_tiny_temperature_is_greedy():

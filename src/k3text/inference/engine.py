@@ -13,8 +13,8 @@ the pool:
   prompt longer than one chunk is prefilled N chunks per call instead (`prefill_slices`: chunk
   r in row r, the rows over the batch mesh axes; `Decoder.prefill` carries the sequence across
   them).
-- `insert(pool, prefix, slots, sampling, limits, stop_ids)`: writes prefix rows into pool slots,
-  every array of the slot overwritten (a slot never shows its former occupant's state), and
+- `insert(pool, prefix, slots, limits, stop_ids, params, top_n)`: writes prefix rows into pool
+  slots, every array of the slot overwritten (a slot never shows its former occupant's state), and
   samples each sequence's first token with its own parameters. Rows given slot -1 are padding:
   their writes are dropped, never landing in a real slot.
 - `generate(pool, n_steps)`: up to `n_steps` decode steps for every slot in one device call (a
@@ -487,7 +487,8 @@ class Engine:
     def step(self, tokens: jax.Array, state: DecodeState, key: jax.Array,
              ) -> tuple[jax.Array, jax.Array, jax.Array, DecodeState]:
         """One decode step for tokens [B]: (sampled next tokens [B], their log-probabilities
-        [B], the logits [B, vocab], new state)."""
+        [B], the logits [B, vocab], new state). `key` seeds this step's draws (with the
+        `decode_sampling_*` keys): pass a new one each step, as `jax.random.split` gives."""
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             return self._step(self._weights, tokens, state, key)
 

@@ -170,10 +170,14 @@ class BlockTree:
         self.block = block
         self.entries = entries
         self.evictions = 0
+        self.generation = -1
         self.clear()
 
     def clear(self) -> None:
-        """Forget every block (their entries all free again); the eviction count stays."""
+        """Forget every block (their entries all free again); the eviction count stays. A
+        chain begun before is dead from now on (`generation`): its blocks are gone, and one
+        cached under them would take an entry nothing could ever match."""
+        self.generation += 1
         self.root = Block((), -1, None, 0)
         self._free = list(range(self.entries))
         self._blocks: set[Block] = set()
@@ -250,6 +254,7 @@ class Chain:
 
     prompt: Sequence[int]
     tail: Block
+    generation: int  # the tree's `generation` when the chain began
     open: bool = True
 
 
@@ -311,7 +316,7 @@ class PrefixCache:
                 continue
             tail = m[common - 1] if common else self.tree.root
             tail.refs += 1
-            chains.append(Chain(p, tail))
+            chains.append(Chain(p, tail, self.tree.generation))
             self.prompt_tokens += len(p)
         start = common * self.block
         if common:
@@ -334,6 +339,9 @@ class PrefixCache:
         for row, chain in enumerate(chains):
             if chain is None or not chain.open or len(chain.prompt) < end:
                 continue
+            if chain.generation != self.tree.generation:  # begun before a reset
+                chain.open = False
+                continue
             if chain.tail.depth != end // self.block - 1:  # a block before this one is missing
                 chain.open = False
                 continue
@@ -351,7 +359,8 @@ class PrefixCache:
 
     def end(self, chain: Chain | None) -> None:
         """The row is inserted, cancelled or failed: its blocks may be evicted again."""
-        if chain is not None and chain.tail.refs > 0:
+        if chain is not None and chain.generation == self.tree.generation \
+                and chain.tail.refs > 0:
             chain.tail.refs -= 1
 
     def reset(self) -> None:

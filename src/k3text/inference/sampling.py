@@ -62,16 +62,25 @@ def config_sampling(cfg: Config, batch: int, seeds: list[int] | None = None) -> 
 
 
 def _truncated(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Logits outside each row's top-k and then its nucleus set to -inf."""
+    """Logits outside each row's top-k and then its nucleus set to -inf. The vocabulary is
+    sorted only when some row cuts: a whole-vocabulary sort per slot is a large part of a
+    decode step's sampling, and plain temperature sampling needs none."""
     vocab = scaled.shape[-1]
-    ordered = -jnp.sort(-scaled, axis=-1)  # descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    in_top_k = jnp.arange(vocab) < k[:, None]
-    probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
-    keep = jnp.sum((before < top_p[:, None]) & in_top_k, axis=-1)
-    cutoff = jnp.take_along_axis(ordered, jnp.maximum(keep, 1)[:, None] - 1, axis=-1)
-    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+    cuts = (k < vocab) | (top_p < 1.0)
+
+    def cut() -> jax.Array:
+        ordered = -jnp.sort(-scaled, axis=-1)  # descending
+        in_top_k = jnp.arange(vocab) < k[:, None]
+        probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+        # top_p = 1 keeps the whole top k, even tokens whose mass above rounds to 1.
+        in_nucleus = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        keep = jnp.sum(in_nucleus & in_top_k, axis=-1)
+        cutoff = jnp.take_along_axis(ordered, jnp.maximum(keep, 1)[:, None] - 1, axis=-1)
+        return jnp.where(cuts[:, None] & (scaled < cutoff), -jnp.inf, scaled)
+
+    return jax.lax.cond(jnp.any(cuts), cut, lambda: scaled)
 
 
 def _draw(logits: jax.Array, params: SlotSampling, index: jax.Array) -> jax.Array:

@@ -74,11 +74,16 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_choice": _absent_or(),
     "guided_grammar": _absent_or(),
     "logits_processors": _absent_or(),
+    "return_tokens_as_token_ids": _absent_or(False),
 }
 UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
     "suffix": _absent_or(""),
+    "echo": _absent_or(False),
+    "add_special_tokens": _absent_or(True),  # vLLM's default for completions: bos as configured
 }
 UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
+    "echo": _absent_or(False),
+    "add_special_tokens": _absent_or(False),  # the template places any special tokens
     "tools": _absent_or([]),
     "tool_choice": _absent_or("none", "auto"),
     "functions": _absent_or([]),
@@ -95,8 +100,9 @@ UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
 
 
 # Fields OpenAI's clients send that cannot change the output: accepted without a word.
+# (`length_penalty` weighs beams, and beam search is refused.)
 NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
-                       "prompt_cache_key", "safety_identifier"})
+                       "prompt_cache_key", "safety_identifier", "length_penalty"})
 
 
 class _Read(dict):
@@ -199,11 +205,11 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _check_ids(ids: list[Any], name: str, vocab: int) -> list[int]:
+def _check_ids(ids: list[Any], name: str, vocab: int,
+               expected: str = "a string or a list of token ids") -> list[int]:
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int):
-            raise RequestError(f"'{name}' must be a string or a list of token ids; item {i} is "
-                               f"{_type_name(t)}", name)
+            raise RequestError(f"'{name}' must be {expected}; item {i} is {_type_name(t)}", name)
         if not 0 <= t < vocab:
             raise RequestError(f"'{name}' item {i} = {t} is outside the vocabulary "
                                f"[0, {vocab})", name)
@@ -317,8 +323,8 @@ class Protocol:
         cfg = self.cfg
         room = cfg.max_target_length - prompt_len
         # max_completion_tokens is the newer name; a null one leaves max_tokens in force.
-        name = next((n for n in ("max_completion_tokens", "max_tokens")
-                     if body.get(n) is not None), None)
+        given = {n: _int(body, n, None, 1) for n in ("max_completion_tokens", "max_tokens")}
+        name = next((n for n, v in given.items() if v is not None), None)
         if name is None:
             if room < 1:
                 raise RequestError(f"'{prompt_name}' ({prompt_len} tokens) leaves no room in the "
@@ -326,7 +332,7 @@ class Protocol:
                                    prompt_name)
             max_tokens = min(cfg.serve_default_max_tokens, room)
         else:
-            max_tokens = _int(body, name, None, 1)
+            max_tokens = given[name]
         if prompt_len + max_tokens > cfg.max_target_length:
             raise RequestError(f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) exceeds "
                                f"the cache of max_target_length={cfg.max_target_length} tokens",
@@ -347,9 +353,13 @@ class Protocol:
         stop_ids = [] if stop_ids is None else stop_ids
         if not isinstance(stop_ids, list):
             raise RequestError("'stop_token_ids' must be a list of token ids", "stop_token_ids")
-        stop_ids = _check_ids(stop_ids, "stop_token_ids", cfg.vocab_size)
-        if len(set(stop_ids)) > MAX_STOP_IDS - 1:
-            raise RequestError(f"'stop_token_ids' takes at most {MAX_STOP_IDS - 1} ids",
+        stop_ids = _check_ids(stop_ids, "stop_token_ids", cfg.vocab_size, "a list of token ids")
+        ignore_eos = _bool(body, "ignore_eos", False)
+        eos = set() if ignore_eos or cfg.ignore_eos else {cfg.eos_token_id}
+        if len(set(stop_ids) | eos) > MAX_STOP_IDS:
+            raise RequestError(f"'stop_token_ids' takes at most {MAX_STOP_IDS - len(eos)} "
+                               f"distinct ids besides eos" if eos else
+                               f"'stop_token_ids' takes at most {MAX_STOP_IDS} distinct ids",
                                "stop_token_ids")
         if stop and self.tokenizer is None:
             raise RequestError("'stop' strings need a tokenizer; use stop_token_ids", "stop")
@@ -358,7 +368,7 @@ class Protocol:
             temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
             top_k=max(top_k, 0), top_p=_float(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
             seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_ids), logprobs=logprobs,
-            ignore_eos=_bool(body, "ignore_eos", False))
+            ignore_eos=ignore_eos)
 
     def _check_prompt(self, ids: list[int], name: str) -> list[int]:
         if not ids:
@@ -369,15 +379,29 @@ class Protocol:
                                f"max_prefill_predict_length={limit}", name)
         return ids
 
-    def _stream_options(self, body: dict, stream: bool) -> bool:
+    def _stream_options(self, body: dict, stream: bool) -> tuple[bool, tuple[str, ...]]:
+        """`include_usage`, and the option names nothing reads (as ``stream_options.name``)."""
         options = body.get("stream_options")
         if options is None:
-            return False
+            return False, ()
         if not isinstance(options, dict):
             raise RequestError("'stream_options' must be an object", "stream_options")
         if not stream:
             raise RequestError("'stream_options' needs stream=true", "stream_options")
-        return _bool(options, "include_usage", False)
+        options = _Read(options)
+        for name in ("continuous_usage_stats",):  # vLLM's: usage in every chunk
+            if _bool(options, name, False):
+                raise RequestError(f"'stream_options.{name}' is not supported",
+                                   "stream_options")
+        include_usage = _bool(options, "include_usage", False)
+        return include_usage, tuple(f"stream_options.{k}" for k in options.unread())
+
+    def _parsed(self, body: _Read, ids: list[int], params: SamplingParams, stream: bool,
+                chat: bool) -> Parsed:
+        include_usage, unread_options = self._stream_options(body, stream)
+        return Parsed(ids, params, stream, include_usage,
+                      _bool(body, "return_token_ids", False), chat=chat,
+                      ignored=body.unread() + unread_options)
 
     def completion(self, body: Any) -> Parsed:
         body = self._common(body)
@@ -389,6 +413,8 @@ class Protocol:
                 raise RequestError("batched prompts are not supported; send one request per "
                                    "prompt", "prompt")
             prompt = prompt[0]  # a batch of one (LangChain sends every prompt so)
+        if prompt == "":  # refused before bos is put in front of it
+            raise RequestError("'prompt' is empty", "prompt")
         if isinstance(prompt, str):
             ids = self._encode(prompt, "prompt")
         elif isinstance(prompt, list):
@@ -399,13 +425,10 @@ class Protocol:
             raise RequestError(f"'prompt' must be a string or a list of token ids, got "
                                f"{_type_name(prompt)}", "prompt")
         ids = self._check_prompt(ids, "prompt")
-        if _bool(body, "echo", False):
-            raise RequestError("'echo' is not supported", "echo")
         logprobs = _int(body, "logprobs", None, 0, self.cfg.serve_max_logprobs)
         stream = _bool(body, "stream", False)
-        return Parsed(ids, self._sampling(body, len(ids), logprobs, "prompt"), stream,
-                      self._stream_options(body, stream), _bool(body, "return_token_ids", False),
-                      chat=False, ignored=body.unread())
+        return self._parsed(body, ids, self._sampling(body, len(ids), logprobs, "prompt"),
+                            stream, chat=False)
 
     def chat(self, body: Any) -> Parsed:
         body = self._common(body)
@@ -444,10 +467,8 @@ class Protocol:
         if top is not None and not want:
             raise RequestError("'top_logprobs' needs logprobs=true", "top_logprobs")
         stream = _bool(body, "stream", False)
-        return Parsed(ids, self._sampling(body, len(ids), (top or 0) if want else None,
-                                          "messages"),
-                      stream, self._stream_options(body, stream),
-                      _bool(body, "return_token_ids", False), chat=True, ignored=body.unread())
+        return self._parsed(body, ids, self._sampling(
+            body, len(ids), (top or 0) if want else None, "messages"), stream, chat=True)
 
     # ---- responses ------------------------------------------------------------------------
 

@@ -253,6 +253,17 @@ class Scheduler:
     # ---- the scheduler thread -------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # however the thread ends, no request is left waiting for it
+            with self._cv:
+                self._accepting = False
+                waiting = list(self._waiting)
+                self._waiting.clear()
+            for r in waiting:
+                self._finish(r, "error", "internal error: the scheduler stopped")
+
+    def _loop(self) -> None:
         while True:
             with self._cv:
                 while not (self._stopping or self._waiting or self._prefill or self._decoding
@@ -796,8 +807,17 @@ class Scheduler:
         try:
             self._pool = self.engine.new_pool(self.num_slots)
         except Exception:
+            # Nothing can be served without a pool: the waiting requests end now, and new ones
+            # are refused (503) rather than queued for ever.
             self._pool = None
-            log.exception("could not allocate a new slot pool; /health now answers 503")
+            log.exception("could not allocate a new slot pool; the server takes no more "
+                          "requests and /health answers 503")
+            with self._cv:
+                self._accepting = False
+                waiting = list(self._waiting)
+                self._waiting.clear()
+            for r in waiting:
+                self._finish(r, "error", message)
         if self.prefix_cache is not None:
             self._reset_prefix_cache()
         self._update_gauges()

@@ -1,14 +1,16 @@
 """Text out of tokens for a request being served: incremental detokenization with stop strings,
 and the chat template.
 
-Byte-level BPE tokens can end inside a UTF-8 character; `TextStream` holds back text while the
-decoded tail is an incomplete character (U+FFFD) and, while it could still be the start of a
-stop string, so a stream never sends text it later has to take back. A stop string ends the
-request and the returned text stops before it.
+Byte-level BPE tokens can end inside a UTF-8 character. `TextStream` feeds each token's bytes to
+an incremental UTF-8 decoder, which holds an incomplete character back until its last byte comes
+and turns bytes that can never be valid into U+FFFD at once; text that may still be the start of
+a stop string is held back too, so a stream never sends text it later has to take back. A stop
+string ends the request and the returned text stops before it.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Sequence
@@ -17,16 +19,14 @@ from typing import Any
 
 from k3text.tokenizer import Tokenizer
 
-_INCOMPLETE = "\ufffd"
-
 
 class TextStream:
     """The text of one request's generated tokens, released piece by piece.
 
-    Decoding is incremental: the tokens up to the last whole character are fixed (their text
-    cannot change), and each `add` decodes only the tokens after them, so the work per token
-    does not grow with the output (both tokenizers are byte-level, so the text of a run of
-    tokens after a whole character is exactly what those tokens add).
+    The work per token is its own bytes and a search of the few characters a stop string
+    ending in them can cover, whatever the output's length or contents; the text equals the
+    tokenizer's decode of all the tokens (bytes that are not valid UTF-8 become U+FFFD) cut at
+    the first stop string.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str] = ()):
@@ -37,31 +37,21 @@ class TextStream:
         self.text = ""
         self.stopped = False  # a stop string was found; `text` ends before it
         self.kept = 0  # how many tokens of the last `add` were kept
-        self._fixed = 0  # tokens whose text is final
-        self._fixed_text = ""  # their text, ending on a whole character
-        self._searched = 0  # characters of the text searched for stop strings, for good
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode([t for t in ids if t < self.tokenizer.vocab_size])
+    def _bytes(self, token: int) -> bytes:
+        if self.tokenizer is None or token >= self.tokenizer.vocab_size:
+            return b""
+        return self.tokenizer.token_bytes(token)
 
-    def _text_of(self, end: int) -> str:
-        """The text of the first `end` tokens (at least the fixed ones)."""
-        return self._fixed_text + self._decode(self.ids[self._fixed:end])
-
-    def _fix(self, tail: str) -> None:
-        """Fix the tokens up to the last one that ends a whole character, given `tail`, the text
-        of the unfixed ones. A character spans at most 4 bytes, so that token is among the last
-        4 (a tail still ending in U+FFFD after them holds invalid bytes: it stays unfixed)."""
-        end = len(self.ids)
-        while tail.endswith(_INCOMPLETE):
-            end -= 1
-            if end < max(self._fixed, len(self.ids) - 4):
-                return
-            tail = self._decode(self.ids[self._fixed:end])
-        self._fixed_text += tail
-        self._fixed = end
+    def _extend(self, piece: str) -> None:
+        """Append `piece` to the text and stop at the first stop string it completes."""
+        searched = len(self.text)
+        self.text += piece
+        hits = [at for stop in self.stop
+                if (at := self.text.find(stop, max(0, searched - len(stop) + 1))) >= 0]
+        if hits:
+            self.text, self.stopped = self.text[:min(hits)], True
 
     def add(self, ids: Sequence[int], final: bool = False) -> str:
         """Add tokens; returns the text that is now safe to send. `final` releases the rest.
@@ -70,51 +60,30 @@ class TextStream:
         self.kept = 0
         if self.stopped:
             return ""
-        before = len(self.ids)
-        self.ids += ids
-        self.kept = len(ids)
-        tail = self._decode(self.ids[self._fixed:])
-        text = self._fixed_text + tail
-        if self._first_stop(text) is not None:
-            for k in range(1, len(ids) + 1):  # the token that completes the stop string
-                text = self._text_of(before + k)
-                if (at := self._first_stop(text)) is not None:
-                    break
-            del self.ids[before + k:]
-            text, self.stopped, self.kept = text[:at], True, k
-        else:
-            self._fix(tail)
-            self._searched = len(self._fixed_text)
-        self.text = text
-        if self.stopped or final:
-            ready = len(text)
-        else:
-            ready = len(text) - _held_back(text, self.stop)
+        for token in ids:
+            self.ids.append(token)
+            self.kept += 1
+            self._extend(self._utf8.decode(self._bytes(token)))
+            if self.stopped:
+                break
+        if final and not self.stopped:
+            self._extend(self._utf8.decode(b"", final=True))  # an unfinished character
+        ready = len(self.text)
+        if not (self.stopped or final):
+            ready -= _held_back(self.text, self.stop)
         ready = max(ready, self.sent)
-        piece = text[self.sent:ready]
+        piece = self.text[self.sent:ready]
         self.sent = ready
         return piece
 
-    def _first_stop(self, text: str) -> int | None:
-        """Where the first stop string starts in `text`, looking only where one can begin that
-        earlier searches have not ruled out."""
-        hits = [at for stop in self.stop
-                if (at := text.find(stop, max(0, self._searched - len(stop) + 1))) >= 0]
-        return min(hits) if hits else None
-
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
-    """Characters at the end of `text` not yet safe to send: an incomplete UTF-8 character, and
-    before it the longest tail that begins some stop string (which the character, once whole,
-    may continue)."""
-    whole = text.rstrip(_INCOMPLETE)
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(whole)), hold, -1):
-            if stop.startswith(whole[-n:]):
-                hold = n
-                break
-    return hold + len(text) - len(whole)
+    """Characters at the end of `text` not yet safe to send: the longest tail that begins some
+    stop string."""
+    for n in range(min(max(map(len, stops), default=1) - 1, len(text)), 0, -1):
+        if any(stop.startswith(text[-n:]) for stop in stops):
+            return n
+    return 0
 
 
 def token_text(tokenizer: Tokenizer | None, token: int) -> str:
