@@ -1608,7 +1608,8 @@ def test_two_processes_serve_like_one(shipped):
     """2 processes x 4 CPU devices (jax.distributed on localhost): process 0 serves and
     schedules, process 1 replays its engine calls. Mixed greedy and seeded requests, some
     clients leaving, equal the offline decode (greedy) and the same request alone (seeded);
-    SIGTERM to process 0 stops both, each exiting 0."""
+    SIGTERM to both (the follower first, as a job's stop may signal it) stops both after the
+    request in flight, each exiting 0."""
     _, prompts, reference = shipped
     port = coordinator_port()
     path = str(ROOT / "configs" / "inference" / "cpu8-local.yml")
@@ -1622,9 +1623,27 @@ def test_two_processes_serve_like_one(shipped):
         run_load(server, prompts, reference, 16, "k3-small", seed=2)
         assert server.metrics()["k3text_prefix_cache_hit_tokens_total"] >= 16
         assert not [line for line in server.lines + follower.lines if "Traceback" in line]
-        assert server.stop() == 0, "\n".join(server.lines)
+
+        async def in_flight():  # SIGTERM to both once its first token is out
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                body = {"model": "k3-small", "prompt": [1, 5, 6, 7], "max_tokens": 40,
+                        "temperature": 0.0, "ignore_eos": True, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    lines = []
+                    async for line in r.aiter_lines():
+                        if not lines:
+                            follower.proc.send_signal(signal.SIGTERM)
+                            await asyncio.sleep(0.2)
+                            server.proc.send_signal(signal.SIGTERM)
+                        lines.append(line)
+                    return lines
+
+        events = _sse(asyncio.run(in_flight()))
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert server.proc.wait(120) == 0, "\n".join(server.lines)
         assert follower.proc.wait(120) == 0, "\n".join(follower.lines)
         assert any("following process 0" in line for line in follower.lines)
+        assert any("SIGTERM: following process 0" in line for line in follower.lines)
     finally:
         if server is not None:
             server.stop()

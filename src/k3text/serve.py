@@ -10,18 +10,20 @@ seconds, cancels the rest and exits 0; Ctrl-C does the same and exits 130.
 
 With several processes (`jax_distributed_initialize: true`), every process runs this command:
 process 0 serves HTTP and schedules, and the others make its engine calls as it broadcasts them
-(`k3text.serving.multihost`), returning when it stops.
+(`k3text.serving.multihost`), returning when it stops; SIGTERM to one of them (platforms
+signal every process of a job) leaves it following until process 0 has finished its requests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +97,8 @@ def serve(cfg: Config) -> None:
         engine, _ = decode.build(cfg)
         log.info("process %d of %d: following process 0's engine calls", jax.process_index(),
                  jax.process_count())
-        follow(engine)
+        with _sigterm_left_to_process_0():
+            follow(engine)
         return
     tokenizer = load_tokenizer(cfg.tokenizer_type, decode.tokenizer_path(cfg))
     slots = cfg.global_batch_size
@@ -149,6 +152,23 @@ def serve(cfg: Config) -> None:
     if not server.started:
         raise ConfigError(f"the server on {host}:{port} did not start")
     log.info("stopped")
+
+
+@contextlib.contextmanager
+def _sigterm_left_to_process_0() -> Iterator[None]:
+    """A following process outlives its first SIGTERM. Platforms that stop a multi-host job
+    signal every process at once, and process 0 then finishes its in-flight requests through
+    engine calls this process must still make; it returns from `follow` when process 0 stops
+    serving. A second SIGTERM ends it at once."""
+    def deferred(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        log.info("SIGTERM: following process 0 until it stops serving (again to exit now)")
+
+    previous = signal.signal(signal.SIGTERM, deferred)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def build_prefill_engine(cfg: Config, engine: Engine) -> Engine | None:
