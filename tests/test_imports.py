@@ -1,7 +1,8 @@
-"""Imports flow downwards: ops import no layer, model or inference module, models import no
-inference module, and no chain of k3text modules imports itself (imports inside functions
-included); every k3text import in the repository names a module that exists. Checked on the
-source, and in a fresh interpreter that imports every module."""
+"""Imports flow downwards (serve/decode/train -> serving -> inference -> models -> layers -> ops):
+no package imports one above it (`BELOW`), and no chain of k3text modules imports itself
+(imports inside functions included); every k3text import in the repository is absolute and
+names a module that exists. Checked on the source, and in a fresh interpreter that imports
+every module."""
 
 import ast
 import json
@@ -13,9 +14,16 @@ from helpers import ROOT
 
 SRC = ROOT / "src"
 # Package prefix -> prefixes its modules must never import.
+_ENTRY_POINTS = ("k3text.decode", "k3text.serve", "k3text.train", "k3text.tools")
 BELOW = {
-    "k3text.ops": ("k3text.layers", "k3text.models", "k3text.inference"),
-    "k3text.models": ("k3text.inference",),
+    "k3text.ops": ("k3text.layers", "k3text.models", "k3text.inference", "k3text.serving",
+                   "k3text.checkpoint", *_ENTRY_POINTS),
+    "k3text.layers": ("k3text.models", "k3text.inference", "k3text.serving",
+                      "k3text.checkpoint", *_ENTRY_POINTS),
+    "k3text.models": ("k3text.inference", "k3text.serving", "k3text.checkpoint",
+                      *_ENTRY_POINTS),
+    "k3text.inference": ("k3text.serving", *_ENTRY_POINTS),
+    "k3text.serving": _ENTRY_POINTS,
 }
 
 
@@ -77,6 +85,13 @@ def test_every_import_names_a_module_that_exists():
     assert missing == []
 
 
+def test_imports_are_absolute():
+    """The checks here read absolute names; a relative import would pass them unseen."""
+    relative = sorted(name for name, tree in modules().items() for node in ast.walk(tree)
+                      if isinstance(node, ast.ImportFrom) and node.level)
+    assert relative == []
+
+
 def test_imports_flow_downwards_in_the_source():
     graph = import_graph()
     wrong = sorted(
@@ -99,7 +114,7 @@ def test_fresh_interpreter_imports_every_module_in_layer_order():
 import importlib, json, sys
 names = {names!r}
 loaded = {{}}
-for phase, prefix in (("ops", "k3text.ops"), ("models", "k3text.models"), ("all", "k3text")):
+for phase, prefix in {[(top, top) for top in BELOW] + [("all", "k3text")]!r}:
     for name in names:
         if name == prefix or name.startswith(prefix + "."):
             importlib.import_module(name)
@@ -111,7 +126,7 @@ print(json.dumps(loaded))
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     loaded = json.loads(run.stdout.splitlines()[-1])
-    for phase, top in (("ops", "k3text.ops"), ("models", "k3text.models")):
-        banned = [m for m in loaded[phase] if any(is_under(m, b) for b in BELOW[top])]
-        assert banned == [], phase
+    for top, banned_below in BELOW.items():  # each package alone, in layer order
+        banned = [m for m in loaded[top] if any(is_under(m, b) for b in banned_below)]
+        assert banned == [], top
     assert set(names) <= set(loaded["all"])

@@ -4,7 +4,8 @@ plain residual stream.
 The stream passed between layers is `prefix_sum`, the running sum of the current block; the
 sums of completed blocks (the embedding first) sit in a fixed-size buffer with a count, so a scan
 over layers can carry them. Block size counts layers; 0-indexed layer i opens a new block when
-i % attn_res_block_size == 0. See K3_MODEL.md §2.5 for the pseudocode this follows.
+i % attn_res_block_size == 0. It follows the pseudocode of the K3 design notes
+(`../shared/design/K3_MODEL.md`, §2.5).
 """
 
 from __future__ import annotations

@@ -13,12 +13,14 @@ Synthetic weights are scaled by 1/sqrt(fan_in) so random tiny models keep activa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from k3text.config import Config
 
@@ -56,7 +58,7 @@ class Init:
         finally:
             self.leading = self.leading[1:]
 
-    def _param(self, shape: Sequence[int], axes: Sequence[str | None], dtype,
+    def _param(self, shape: Sequence[int], axes: Sequence[str | None], dtype: DTypeLike,
                draw) -> nnx.Param:
         shape = (*self.leading, *shape)
         axes = (*(("layers",) * len(self.leading)), *axes)
@@ -68,32 +70,32 @@ class Init:
             value = jnp.asarray(np.asarray(draw(shape)).astype(jnp.dtype(dtype)))
         return nnx.Param(value, axes=axes)
 
-    def normal(self, shape: Sequence[int], axes: Sequence[str | None], dtype,
+    def normal(self, shape: Sequence[int], axes: Sequence[str | None], dtype: DTypeLike,
                std: float = 1.0) -> nnx.Param:
         return self._param(shape, axes, dtype,
                            lambda s: self.rng.standard_normal(s, np.float32) * np.float32(std))
 
-    def fan_in(self, shape: Sequence[int], axes: Sequence[str | None], dtype,
+    def fan_in(self, shape: Sequence[int], axes: Sequence[str | None], dtype: DTypeLike,
                fan_in: int | None = None) -> nnx.Param:
         """Normal(0, 1/fan_in); fan_in defaults to the second-to-last dimension."""
         fan_in = fan_in if fan_in is not None else shape[-2]
         return self.normal(shape, axes, dtype, std=fan_in**-0.5)
 
-    def constant(self, shape: Sequence[int], axes: Sequence[str | None], dtype,
+    def constant(self, shape: Sequence[int], axes: Sequence[str | None], dtype: DTypeLike,
                  value: float = 1.0) -> nnx.Param:
         return self._param(shape, axes, dtype, lambda s: np.full(s, value, np.float32))
 
-    def uniform(self, shape: Sequence[int], axes: Sequence[str | None], dtype, low: float,
-                high: float) -> nnx.Param:
+    def uniform(self, shape: Sequence[int], axes: Sequence[str | None], dtype: DTypeLike,
+                low: float, high: float) -> nnx.Param:
         return self._param(shape, axes, dtype,
                            lambda s: self.rng.uniform(low, high, s).astype(np.float32))
 
-    def integers(self, shape: Sequence[int], axes: Sequence[str | None], dtype, low: int,
+    def integers(self, shape: Sequence[int], axes: Sequence[str | None], dtype: DTypeLike, low: int,
                  high: int) -> nnx.Param:
         """Uniform integers in [low, high)."""
         return self._param(shape, axes, dtype, lambda s: self.rng.integers(low, high, s))
 
-    def values(self, shape: Sequence[int], axes: Sequence[str | None], dtype,
-               fn) -> nnx.Param:
+    def values(self, shape: Sequence[int], axes: Sequence[str | None], dtype: DTypeLike,
+               fn: Callable[[np.random.Generator, tuple[int, ...]], Any]) -> nnx.Param:
         """A parameter whose value is fn(rng, shape) (e.g. a structured init)."""
         return self._param(shape, axes, dtype, lambda s: fn(self.rng, s))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from k3text.layers.initializers import Init
 
@@ -29,7 +30,8 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
 class RMSNorm(nnx.Module):
     """Thin holder of an RMSNorm gain over a named axis."""
 
-    def __init__(self, init: Init, dim: int, eps: float, dtype, axis: str | None = "embed"):
+    def __init__(self, init: Init, dim: int, eps: float, dtype: DTypeLike,
+                 axis: str | None = "embed"):
         self.weight = init.constant((dim,), (axis,), dtype)
         self.eps = eps
 

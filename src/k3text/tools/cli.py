@@ -1,5 +1,5 @@
-"""Command-line plumbing shared by the entry points: `python -m k3text.decode|train CONFIG
-[key=value ...]` (`main`) and the tools, `python -m k3text.tools.NAME CONFIG [key=value ...]
+"""Command-line plumbing shared by the entry points: `python -m k3text.decode|serve|train
+CONFIG [key=value ...]` (`main`) and the tools, `python -m k3text.tools.NAME CONFIG [key=value ...]
 [--flags]`, all with the same config loading.
 
 A tool may own a few integer `name=value` keys of its own (`batch=`, `context=`); they are

@@ -28,7 +28,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from k3text.config import Config, ConfigError, load_config, request_host_devices
 from k3text.tools import collectives
@@ -214,7 +214,7 @@ def export_for_tpu(fn: Any, args: tuple, mesh: Any, device_kind: str = "TPU7x") 
 
 
 def check(cfg: Config, tpu: bool = False, serving: bool = False,
-          out=sys.stdout) -> dict[str, dict[str, Any]]:
+          out: TextIO = sys.stdout) -> dict[str, dict[str, Any]]:
     """Compile the decode step and prefill chunk (and with `serving` the server's programs);
     print and return per-device GiB figures."""
     import jax

@@ -1,5 +1,6 @@
 """Roofline floors: `python -m k3text.tools.roofline CONFIG [key=value ...] [context=N]
---hardware v7x|v6e --chips N [--latent-proj-format bf16|mxfp4] [--mfu F,F]`.
+[--hardware v7x|v6e] [--chips N] [--latent-proj-format bf16|mxfp4] [--mfu F,F] [--collectives]`
+(default v7x, and the config's device count).
 
 Decode is bound by the bytes read per step; prefill by FLOPs. Bytes are the abstract model's
 stored bytes (its real dtypes: BF16 weights, fp32 gates, MXFP4 experts at 4.25 bits), FLOPs
