@@ -196,6 +196,13 @@ def test_existing_out_needs_force(source, tmp_path, capsys):
     (out / "stale").write_text("old")
     rc, _, err = run(capsys, "--hf-dir", source, "--out", out)
     assert rc == 2 and "already exists" in err[-1] and (out / "stale").exists()
+    # --force replaces a checkpoint only, never a mistyped directory of something else.
+    rc, _, err = run(capsys, "--hf-dir", source, "--out", out, "--force")
+    assert rc == 2 and err == [f"error: {out} is neither empty nor a checkpoint (it has no "
+                               f"params/_METADATA, model.yml, config.json); --force replaces "
+                               f"only a checkpoint: remove it yourself, or give another path"]
+    assert sorted(p.name for p in out.iterdir()) == ["stale"]
+    (out / "model.yml").write_text("an older checkpoint's")
     rc, _, _ = run(capsys, "--hf-dir", source, "--out", out, "--force")
     assert rc == 0 and not (out / "stale").exists()
     assert (out / "model.yml").is_file() and (out / store.PARAMS_DIR / "_METADATA").is_file()

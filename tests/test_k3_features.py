@@ -209,7 +209,8 @@ def k3_shaped(layers: int):
                 num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=32,
                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=8,
                 num_experts_per_token=2, moe_intermediate_size=32,
-                routed_expert_hidden_size=32, expert_weight_format="mxfp4")
+                routed_expert_hidden_size=32, expert_weight_format="mxfp4",
+                bos_token_id=0, eos_token_id=1, pad_token_id=2)
     base["linear_attn_config"] = dict(base["linear_attn_config"], num_heads=2, head_dim=16,
                                       full_attn_layers=full,
                                       kda_layers=[i for i in range(1, layers + 1)

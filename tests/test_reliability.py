@@ -67,6 +67,71 @@ def test_check_output_file_accepts_new_directories_and_leaves_nothing(tmp_path):
         == ["out.jsonl"]
 
 
+def test_an_atomic_write_keeps_modes_and_links_as_open_would(tmp_path):
+    old_mask = os.umask(0o027)
+    try:
+        new = tmp_path / "new.jsonl"
+        files.write_atomically(new, lambda f: f.write("a\n"))
+        assert new.stat().st_mode & 0o777 == 0o640  # 0666 less the umask
+        kept = tmp_path / "kept.jsonl"
+        kept.write_text("old\n")
+        kept.chmod(0o600)
+        files.write_atomically(kept, lambda f: f.write("b\n"))
+        assert kept.stat().st_mode & 0o777 == 0o600 and kept.read_text() == "b\n"
+    finally:
+        os.umask(old_mask)
+    real, link = tmp_path / "runs" / "latest.jsonl", tmp_path / "out.jsonl"
+    real.parent.mkdir()
+    real.write_text("old\n")
+    link.symlink_to(real)
+    assert files.check_output_file(link) == real
+    files.write_atomically(link, lambda f: f.write("c\n"))
+    assert link.is_symlink() and real.read_text() == "c\n"
+    assert sorted(p.name for p in real.parent.iterdir()) == ["latest.jsonl"]
+
+
+def test_results_never_replace_a_file_that_appeared_meanwhile(tmp_path, capsys, monkeypatch):
+    """output_file is checked before any work; a file someone else wrote there while the decode
+    ran is kept, and the results go beside it, named."""
+    out = tmp_path / "out.jsonl"
+    build = decode.build
+
+    def building_meanwhile(cfg):
+        out.write_text("someone else's\n")
+        return build(cfg)
+
+    monkeypatch.setattr(decode, "build", building_meanwhile)
+    assert decode.main([CPU, f"output_file={out}", "progress=false", "builtin_prompts=false",
+                        "prompt_ids=5,6", "max_decode_steps=2", "per_device_batch_size=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    [beside] = [p for p in tmp_path.iterdir() if p != out]
+    assert err == (f"error: {out} appeared while this command ran and is kept; the output was "
+                   f"written to {beside} instead")
+    assert out.read_text() == "someone else's\n"
+    assert json.loads(beside.read_text())["prompt_ids"] == [5, 6]
+
+
+def test_a_failed_swap_puts_the_old_directory_back(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old").write_text("old")
+    replace, calls = os.replace, []
+
+    def failing_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        return replace(src, dst)
+
+    with pytest.raises(OSError, match="Input/output error"):
+        with files.staged_directory(out, replace=True) as (staging, _):
+            (staging / "new").write_text("new")
+            monkeypatch.setattr(os, "replace", failing_second)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (out / "old").read_text() == "old"
+
+
 def test_results_with_non_finite_numbers_stay_valid_json(tmp_path):
     path = tmp_path / "out.jsonl"
     decode.write_jsonl(str(path), [{"output_logprobs": [-0.5, math.nan, -math.inf],
@@ -101,6 +166,21 @@ def test_training_never_replaces_an_export_unasked(tmp_path):
         train.check_export_path(cfg.replace(export_path=str(tmp_path / "file"),
                                             export_overwrite=True))
     train.check_export_path(cfg.replace(export_overwrite=True))  # asked for: allowed
+
+
+def test_an_export_replaces_only_a_checkpoint_and_keeps_the_tokenizer_out(tmp_path):
+    export = tmp_path / "results"
+    export.mkdir()
+    (export / "notes.txt").write_text("kept")
+    cfg = load_config(CONFIG_DIR / "train" / "k3-small.yml",
+                      [f"export_path={export}", "export_overwrite=true", "checkpoint_dir="])
+    with pytest.raises(ValueError, match="neither empty nor a checkpoint .* "
+                                         "export_overwrite=true replaces only a checkpoint"):
+        train.train(cfg)
+    assert [p.name for p in export.iterdir()] == ["notes.txt"]
+    with pytest.raises(ConfigError, match="export_path .* and tokenizer_path .* overlap"):
+        train.check_checkpoint_dir(cfg.replace(export_path=str(tmp_path / "new"),
+                                               tokenizer_path=str(tmp_path / "new" / "tok")))
 
 
 def test_the_shipped_model_is_not_the_training_export():
@@ -281,11 +361,37 @@ def test_an_undamaged_checkpoint_without_checksums_still_loads(saved, tmp_path):
     ("decode_sampling_top_k=100000", "decode_sampling_top_k must be in [0, vocab_size=512]"),
     ("train_steps=-1", "'train_steps' must be >= 0"),
     ("learning_rate=0", "'learning_rate' must be positive"),
+    ("mla_key_block=0", "'mla_key_block' must be positive"),
+    ("moe_dense_threshold=-1", "'moe_dense_threshold' must be >= 0"),
+    ("weight_decay=-0.1", "'weight_decay' must be >= 0"),
+    ("grad_clip=-1", "'grad_clip' must be positive"),
+    ("num_processes=-1", "'num_processes' must be >= 0"),
+    ("process_id=-5", "'process_id' must be >= 0, or -1 (from the environment), got -5"),
+    ("per_device_batch_size=1.5", "per_device_batch_size (1.5) x data shards (1) must be a "
+                                  "whole number of sequences, got 1.5"),
 ])
 def test_invalid_values_are_one_line_errors(capsys, override, message):
     assert decode.main([CPU, override]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1], err[-1]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("num_expert_group=0", "'num_expert_group' must be positive, got 0"),
+    ("q_lora_rank=-4", "'q_lora_rank' must be >= 0"),
+    ("attn_res_block_size=-2", "'attn_res_block_size' must be >= 0"),
+    ("routed_expert_hidden_size=-32", "'routed_expert_hidden_size' must be >= 0"),
+    ("rms_norm_eps=0", "'rms_norm_eps' must be positive"),
+    ("eos_token_id=160", "'eos_token_id' must be a token id in [0, vocab_size=160), got 160"),
+])
+def test_invalid_model_values_are_one_line_errors_in_the_tools(capsys, override, message):
+    """The model keys (which a checkpoint's own config would overrule in decode) through an
+    operator tool, which used to print a parameter count for a negative width."""
+    assert params.main([str(MODELS / "k3-tiny.yml"), override]) == 2
+    out, err = capsys.readouterr()
+    err = err.strip().splitlines()
+    assert not out and len(err) == 1 and err[0].startswith("error: config key ") \
+        and message in err[0], err
 
 
 def test_a_model_with_dense_layers_needs_their_width():
@@ -337,6 +443,13 @@ def test_bad_prompts_files_name_the_file_and_line(tmp_path, capsys, content, mes
     assert decode.main([CPU, f"prompts_file={path}", "progress=false"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1], err[-1]
+
+
+def test_a_prompts_file_may_begin_with_a_byte_order_mark(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt_ids": [5, 6]}\n{"prompt_ids": [7]}\n')
+    requests = decode.read_prompts_file(str(path), None, load_config(CPU))
+    assert [r.prompt_ids for r in requests] == [(5, 6), (7,)]
 
 
 @pytest.mark.parametrize("item", ["prompt=", "prompt_ids= ", "prompts_file="])
@@ -481,21 +594,26 @@ def test_an_output_directory_that_cannot_be_is_one_line(small_hf, tmp_path, caps
 @pytest.mark.parametrize("error,status", [
     (ConfigError("bad key"), 2), (FileNotFoundError(2, "No such file", "x.yml"), 2),
     (files.OutputError("out exists"), 2), (OSError(28, "No space left on device"), 1),
+    (PermissionError(13, "Permission denied", "prompts.jsonl"), 2), (ValueError("bad"), 2),
 ])
 def test_every_command_exits_2_for_its_input_and_1_for_the_machine(tmp_path, capsys,
                                                                    monkeypatch, error, status):
-    """The config CLIs, the converter and make_tiny_checkpoint classify an error alike."""
+    """The config CLIs, the operator tools, compile_check, the converter and
+    make_tiny_checkpoint classify an error alike."""
     def fail(*args, **kwargs):
         raise error
 
     assert cli.main([CPU], "k3text.decode", "", fail) == status
+    assert cli.run(cli.parser("k3text.tools.x", ""), [CPU], fail) == status
+    monkeypatch.setattr(compile_check, "check", fail)
+    assert compile_check.main([CPU]) == status
     monkeypatch.setattr(convert, "convert", fail)
     assert convert.main(["--hf-dir", str(tmp_path), "--out", str(tmp_path / "o")]) == status
     monkeypatch.setattr(synthetic, "write_checkpoint", fail)
     assert synthetic.main(["--model-config", str(MODELS / "k3-tiny.yml"), "--out",
                            str(tmp_path / "o")]) == status
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {error}"] * 3, err
+    assert err == [f"error: {error}"] * 5, err
 
 
 @pytest.fixture(scope="module")

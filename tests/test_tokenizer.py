@@ -104,7 +104,12 @@ def test_malformed_bpe_file(tmp_path):
         read_tiktoken_bpe(path)
 
     save_tiktoken_bpe({bytes([b]): b for b in range(255)}, path)
-    with pytest.raises(ValueError, match=r"lack single-byte tokens for bytes \[255\]"):
+    with pytest.raises(ValueError, match=rf"{path}: BPE ranks lack single-byte tokens for "
+                                         rf"bytes \[255\]"):
+        TiktokenTokenizer.from_file(path)
+
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"tiktoken BPE file {path} is empty"):
         TiktokenTokenizer.from_file(path)
 
 

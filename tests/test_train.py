@@ -2,6 +2,11 @@
 of an uninterrupted one; the export holds exactly the trained weights."""
 
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -10,6 +15,7 @@ from flax import nnx
 
 from k3text import sharding, train
 from k3text.checkpoint import load_model
+from k3text.checkpoint.store import CheckpointError
 from k3text.config import CONFIG_DIR, load_config
 from k3text.data import token_batches
 from k3text.tokenizer import ByteTokenizer
@@ -83,3 +89,55 @@ def test_export_holds_the_trained_weights(run):
     for path, variable in exported:
         np.testing.assert_array_equal(variable.get_value(), trained[path].get_value(),
                                       err_msg=str(path))
+
+
+def test_resume_names_a_checkpoint_it_cannot_use_and_moves_nothing(run, tmp_path):
+    cfg, _ = run
+    stopped = Path(shutil.copytree(cfg.checkpoint_dir, tmp_path / "checkpoints"))
+    cfg = cfg.replace(checkpoint_dir=str(stopped), export_path="")
+    (stopped / "75").mkdir()  # a stray directory with a step's name
+    with pytest.raises(CheckpointError, match=rf"checkpoint_dir {stopped}: step 75 is not a "
+                                              rf"readable training checkpoint .*; move "
+                                              rf"{stopped / '75'} aside"):
+        train.train(cfg)
+    (stopped / "75").rmdir()
+    metadata = stopped / "50" / "state" / "_METADATA"
+    good = metadata.read_bytes()
+    metadata.write_text("{damaged")
+    with pytest.raises(CheckpointError, match=rf"step 50 is not a readable training checkpoint "
+                                              rf"\({metadata.parent}: Expecting"):
+        train.train(cfg)
+    metadata.write_bytes(good)
+    with pytest.raises(CheckpointError, match=r"step 50 was written for another model or "
+                                              r"optimizer config: params\.embed\.table\.value is "
+                                              r"stored with shape \(259, 64\), this config needs "
+                                              r"shape \(259, 96\)"):
+        train.train(cfg.replace(hidden_size=96))
+    assert sorted(p.name for p in stopped.iterdir()) == ["25", "50"]
+
+
+def test_ctrl_c_leaves_only_complete_checkpoints_and_no_traceback(tmp_path):
+    """Interrupted while it saves every step: one line, status 130, no save cut short on disk
+    (the newest is one a new run resumes from)."""
+    checkpoints = tmp_path / "checkpoints"
+    argv = [sys.executable, "-m", "k3text.train", str(CONFIG_DIR / "base.yml"), *TINY[3:8],
+            "num_hidden_layers=2", "linear_attn_config.full_attn_layers=[2]", "num_experts=0",
+            "train_steps=100000", "train_batch_size=2", "train_seq_len=16", "warmup_steps=1",
+            "checkpoint_every=1", "log_every=1000", "progress=false",
+            f"checkpoint_dir={checkpoints}", "compilation_cache_dir="]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None and len(
+                [p for p in checkpoints.glob("*") if p.name.isdigit()]) < 3:
+            time.sleep(0.2)
+        time.sleep(0.37)  # somewhere inside a step or a save
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "k3text.train: interrupted" and "Traceback" not in err
+    steps = sorted(int(p.name) for p in checkpoints.iterdir())  # no STEP.orbax-checkpoint-tmp
+    cfg = load_config(CONFIG_DIR / "base.yml", [*argv[4:-1], f"train_steps={steps[-1]}"])
+    assert train.train(cfg).losses == []  # restored the newest and found no step left to run

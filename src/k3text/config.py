@@ -323,7 +323,7 @@ class Config(_Section):
 
     @property
     def global_batch_size(self) -> int:
-        return max(1, int(self.per_device_batch_size * self.mesh_shape["data"]))
+        return int(self.per_device_batch_size * self.mesh_shape["data"])  # whole: validated
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,8 +445,20 @@ def _validate(cfg: Config) -> None:
                 "train_seq_len", "checkpoint_every", "log_every", "learning_rate"):
         _require(cfg[key] > 0, f"config key '{key}' must be positive, got {cfg[key]}")
     for key in ("train_steps", "warmup_steps", "first_k_dense_replace", "num_experts",
-                "num_shared_experts", "init_seed", "seed"):
+                "num_shared_experts", "init_seed", "seed", "corpus_seed", "q_lora_rank",
+                "routed_expert_hidden_size", "attn_res_block_size", "moe_dense_threshold",
+                "activation_situ_linear_beta", "weight_decay", "num_processes",
+                "intermediate_size", "moe_intermediate_size"):
         _require(cfg[key] >= 0, f"config key '{key}' must be >= 0, got {cfg[key]}")
+    for key in ("qk_rope_head_dim", "mla_key_block", "rms_norm_eps", "grad_clip",
+                "routed_scaling_factor", "moe_layer_freq", "num_expert_group", "topk_group"):
+        _require(cfg[key] > 0, f"config key '{key}' must be positive, got {cfg[key]}")
+    _require(cfg.process_id >= -1, f"config key 'process_id' must be >= 0, or -1 (from the "
+                                   f"environment), got {cfg.process_id}")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        _require(0 <= cfg[key] < cfg.vocab_size,
+                 f"config key '{key}' must be a token id in [0, vocab_size={cfg.vocab_size}), "
+                 f"got {cfg[key]}")
     if cfg.first_k_dense_replace or not cfg.num_experts or cfg.moe_layer_freq > 1:
         _require(cfg.intermediate_size > 0, f"config key 'intermediate_size' must be positive "
                                             f"(the model has dense layers), got "
@@ -455,6 +467,12 @@ def _validate(cfg: Config) -> None:
         for kind in ("ici", "dcn"):
             key = f"{kind}_{axis}_parallelism"
             _require(cfg[key] >= 1, f"config key '{key}' must be >= 1, got {cfg[key]}")
+    # A fractional share per device is fine (MaxText's convention) while the global batch, the
+    # sequences decoded together, comes out whole.
+    rows = cfg.per_device_batch_size * cfg.mesh_shape["data"]
+    _require(rows >= 1 and rows == int(rows),
+             f"per_device_batch_size ({cfg.per_device_batch_size}) x data shards "
+             f"({cfg.mesh_shape['data']}) must be a whole number of sequences, got {rows:g}")
 
     _require(not (cfg.serve_prefill_apart and cfg.jax_distributed_initialize),
              "serve_prefill_apart runs in one process only; set it false for a multi-process "
@@ -509,7 +527,6 @@ def _validate(cfg: Config) -> None:
             f"num_experts_per_token ({cfg.num_experts_per_token}) must be in "
             f"[1, num_experts={cfg.num_experts}]",
         )
-        _require(cfg.moe_layer_freq >= 1, f"moe_layer_freq must be >= 1, got {cfg.moe_layer_freq}")
         _require(
             cfg.num_experts % cfg.num_expert_group == 0,
             f"num_experts ({cfg.num_experts}) must divide into num_expert_group "

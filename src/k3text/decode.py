@@ -96,8 +96,8 @@ def read_prompts_file(path: str, tokenizer: Tokenizer | None, cfg: Config) -> li
     requests = []
     for number, data in enumerate(raw.split(b"\n"), start=1):
         where = f"{path}:{number}"
-        try:
-            line = data.decode("utf-8")
+        try:  # a byte-order mark (editors on Windows write one) is not part of the text
+            line = data.decode("utf-8-sig" if number == 1 else "utf-8")
         except UnicodeDecodeError as e:
             raise ConfigError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line is "
                               f"0x{data[e.start]:02x})") from None
@@ -200,16 +200,17 @@ def result_records(cfg: Config, requests: Sequence[Request], gen: Generation,
     return records
 
 
-def write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
+def write_jsonl(path: str, records: list[dict[str, Any]], replace: bool = True) -> None:
     """Write atomically (a temp file beside the target, renamed into place), one JSON object
     per line; a non-finite number (a NaN log-probability) is written as null, so every line
-    stays valid JSON."""
+    stays valid JSON. Without `replace`, a file that appeared at `path` since the start is
+    kept and the results go beside it (`files.write_atomically`)."""
 
     def write(f):
         for record in records:
             f.write(json.dumps(_finite(record), allow_nan=False) + "\n")
 
-    files.write_atomically(path, write)
+    files.write_atomically(path, write, replace=replace)
 
 
 def _finite(value: Any) -> Any:
@@ -350,7 +351,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         if cache is not None:
             print(cache.summary())
         if cfg.output_file:
-            write_jsonl(cfg.output_file, records)
+            write_jsonl(cfg.output_file, records, replace=cfg.output_overwrite)
     return records
 
 

@@ -7,6 +7,8 @@
   target kept unless replacing it was asked for;
 - `uninterrupted`: SIGINT and SIGTERM held off while cleanup runs, so a second signal (or the
   first arriving mid-cleanup) cannot leave a staging copy behind;
+- `signals_deferred`: SIGINT and SIGTERM delivered only once a step that must not be cut in
+  half (a checkpoint save) is over;
 - `gc_safe`: a signal handler that never raises inside a garbage-collector callback;
 - `exit_status`: 2 for an error in a command's input, 1 for the machine's.
 """
@@ -19,6 +21,7 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -33,9 +36,10 @@ class OutputError(ValueError):
 def exit_status(error: BaseException) -> int:
     """A command's exit status when `error` stops it: 2 when the input is at fault (every
     k3text input error is a ValueError: ConfigError, CheckpointError, OutputError; and a path
-    that does not exist), 1 when the machine is (any other OSError: a full disk, a lost
-    mount)."""
-    return 2 if isinstance(error, ValueError | FileNotFoundError) else 1
+    that does not exist, is not of the kind needed, or may not be read or written), 1 when the
+    machine is (any other OSError: a full disk, a lost mount)."""
+    return 2 if isinstance(error, ValueError | FileNotFoundError | PermissionError
+                           | IsADirectoryError | NotADirectoryError) else 1
 
 
 _SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -56,6 +60,27 @@ def uninterrupted() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM arriving during the block are delivered as it ends (from the main
+    thread; elsewhere a no-op): for a step a signal must not cut in half (a checkpoint save
+    whose writer threads a KeyboardInterrupt would abandon), while the signal still stops the
+    command right after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: arrived.append(signum))
+                for s in _SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        for signum in dict.fromkeys(arrived):
+            signal.raise_signal(signum)
 
 
 @contextlib.contextmanager
@@ -110,6 +135,8 @@ def check_output_file(path: str | os.PathLike, what: str = "output_file") -> Pat
     writable directory and the path itself is not a directory. Raises OutputError naming `what`
     and the path; nothing is left behind."""
     target = Path(path)
+    if target.is_symlink():  # written through: the file it points to is what is replaced
+        target = target.resolve()
     if target.is_dir():
         raise OutputError(f"{what} {str(path)!r} is a directory; give a file path")
     parent = target.parent
@@ -133,25 +160,74 @@ def check_output_file(path: str | os.PathLike, what: str = "output_file") -> Pat
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[IO[Any]], None], *,
-                     binary: bool = False, mode: int = 0o644) -> None:
+                     binary: bool = False, replace: bool = True) -> None:
     """Write a file through `write(f)` (text, or bytes when `binary`) into a temporary file
     beside `path`, flushed to disk, then rename it into place: readers see the old file or the
-    whole new one, never a part."""
+    whole new one, never a part. A file replaced keeps its permissions, a new one gets those the
+    umask allows (as `open` would give it); a symbolic link stays, and the file it points to is
+    what is replaced.
+
+    With `replace` false a file that appeared at `path` meanwhile (the caller checked there was
+    none before its work) is kept: what was written stays beside it under a name of its own,
+    which the OutputError raised names."""
     target = Path(path)
+    if target.is_symlink():
+        target = target.resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
-    os.fchmod(fd, mode)  # mkstemp makes 0600; an output file is an ordinary file
     try:
+        mode = stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    try:
+        os.fchmod(fd, mode)  # mkstemp makes 0600
         with (os.fdopen(fd, "wb") if binary
               else os.fdopen(fd, "w", encoding="utf-8", newline="")) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, target)
+        if replace:
+            os.replace(tmp, target)
+        else:
+            _rename_unless_taken(Path(tmp), target)
     except BaseException:
         with uninterrupted():
             Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _rename_unless_taken(tmp: Path, target: Path) -> None:
+    """`tmp` becomes `target` unless a file took that name; then `tmp` is kept, visible, under a
+    name of its own (an OutputError says which)."""
+    try:
+        os.link(tmp, target)  # fails, atomically, where `target` exists
+    except FileExistsError:
+        pass
+    except OSError:  # a file system without hard links: the check and the rename are apart
+        if not target.exists():
+            os.replace(tmp, target)
+            return
+    else:
+        tmp.unlink()
+        return
+    kept = target.with_name(f"{target.name}.{secrets.token_hex(4)}")
+    os.replace(tmp, kept)
+    raise OutputError(f"{target} appeared while this command ran and is kept; the output was "
+                      f"written to {kept} instead")
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (setting and restoring
+    it would race with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class Staged:
@@ -195,7 +271,11 @@ def staged_directory(out: str | os.PathLike, replace: bool = False,
             if out.exists():
                 old = staging.with_suffix(".replaced")
                 os.replace(out, old)
-                os.replace(staging, out)
+                try:
+                    os.replace(staging, out)
+                except BaseException:
+                    os.replace(old, out)  # the old output back where it was, not hidden
+                    raise
                 staged.completed = True
                 shutil.rmtree(old)
             else:

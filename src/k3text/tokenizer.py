@@ -158,6 +158,8 @@ class TiktokenTokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"tiktoken BPE file not found: {path}")
         ranks = read_tiktoken_bpe(path)
+        if not ranks:
+            raise ValueError(f"tiktoken BPE file {path} is empty")
         specials = _config_special_tokens(path.parent / TOKENIZER_CONFIG) or {
             token: len(ranks) + i for i, token in enumerate(special_tokens)
         }
@@ -167,15 +169,12 @@ class TiktokenTokenizer:
                 raise ValueError(f"{path}: no special token {token!r} among {sorted(specials)}")
             return None if token is None else specials[token]
 
-        return cls(
-            ranks,
-            specials,
-            pat_str=pat_str,
-            bos_id=token_id(bos_token),
-            eos_id=token_id(eos_token),
-            pad_id=token_id(pad_token),
-            name=path.stem,
-        )
+        ids = {"bos_id": token_id(bos_token), "eos_id": token_id(eos_token),
+               "pad_id": token_id(pad_token)}
+        try:
+            return cls(ranks, specials, pat_str=pat_str, name=path.stem, **ids)
+        except ValueError as e:  # the ranks or ids the file holds: say which file
+            raise ValueError(f"{path}: {e}") from None
 
     def encode(self, text: str, *, allow_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`, matching Kimi's reference tokenizer.

@@ -15,6 +15,7 @@ quantises them once, there.
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +33,12 @@ from tqdm import tqdm
 
 from k3text import corpus, files
 from k3text.checkpoint import save_model
+from k3text.checkpoint.store import (
+    CheckpointError,
+    check_replaceable,
+    root_cause,
+    stderr_kept_for_success,
+)
 from k3text.config import MESH_AXES, Config, ConfigError
 from k3text.data import token_batches
 from k3text.layers.initializers import Init
@@ -188,13 +195,84 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, state: TrainState
 
 def restore_checkpoint(manager: ocp.CheckpointManager, state: TrainState,
                        data: grain.DatasetIterator) -> tuple[int, TrainState]:
-    """(step, state) of the latest checkpoint; `data` is moved to its position in place."""
+    """(step, state) of the latest checkpoint; `data` is moved to its position in place.
+
+    The stored shapes are compared first, so a checkpoint another model config wrote is named
+    as such; one that cannot be read (a stray directory with a step's name, damaged metadata
+    or chunks) is one CheckpointError naming it. Nothing is moved or deleted: the user decides
+    whether to set it aside and resume from the one before."""
     step = manager.latest_step()
+    where = Path(str(manager.directory)) / str(step)
+    advice = (f"move {where} aside to resume from the checkpoint before it, or give another "
+              f"checkpoint_dir")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract),
-        data=grain.checkpoint.CheckpointRestore(data)))
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        with stderr_kept_for_success():
+            stored = _leaf_shapes(handler.metadata(where / "state").tree)
+    except Exception as e:  # a directory Orbax did not write, or its metadata damaged
+        raise CheckpointError(f"checkpoint_dir {manager.directory}: step {step} is not a "
+                              f"readable training checkpoint ({where / 'state'}: "
+                              f"{root_cause(e)}); {advice}") from None
+    finally:
+        handler.close()
+    needed = _leaf_shapes(abstract)
+    # The parameters first: the optimizer's moments differ wherever they do.
+    differing = sorted((p for p in needed.keys() | stored.keys()
+                        if needed.get(p) != stored.get(p)), key=lambda p: (p[0] != "params", p))
+    if differing:
+        first = differing[0]
+        raise CheckpointError(
+            f"checkpoint_dir {manager.directory}: step {step} was written for another model or "
+            f"optimizer config: {'.'.join(first)} is stored "
+            + (f"with shape {stored[first]}" if first in stored else "nowhere")
+            + ", this config needs "
+            + (f"shape {needed[first]}" if first in needed else "none")
+            + (f" ({len(differing) - 1} more arrays differ)" if len(differing) > 1 else "")
+            + "; give the config it was trained with, or another checkpoint_dir")
+    try:
+        with stderr_kept_for_success():
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract),
+                data=grain.checkpoint.CheckpointRestore(data)))
+    except Exception as e:  # Orbax wraps tensorstore's and grain's errors in its own
+        raise CheckpointError(f"checkpoint_dir {manager.directory}: step {step} cannot be "
+                              f"restored ({root_cause(e)}); {advice}") from e
     return step, restored.state
+
+
+def _leaf_shapes(tree: object) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{path: shape} of a pytree's leaves, paths as plain names: the stored tree holds dicts
+    and lists where the live state holds named tuples and nnx States."""
+    def name(key: object) -> str:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    return {tuple(map(name, path)): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def close_checkpoints(manager: ocp.CheckpointManager, completed: bool) -> None:
+    """Finish the save in flight and close `manager`. When the run did not complete (an error,
+    Ctrl-C, SIGTERM) this runs with signals held off, its own errors are logged rather than
+    raised over the one that stopped the run, and a save the interruption cut short (Orbax's
+    `STEP.orbax-checkpoint-tmp` directory) is removed: the newest complete checkpoint stays the
+    one a new run resumes from."""
+    if completed:
+        manager.wait_until_finished()
+        manager.close()
+        return
+    with files.uninterrupted():
+        try:
+            manager.wait_until_finished()
+            manager.close()
+        except Exception as e:  # the run is already failing on its own error
+            log.warning("closing the checkpoints after the run stopped: %s", e)
+        for partial in Path(str(manager.directory)).glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(partial, ignore_errors=True)
+            log.info("removed %s, a checkpoint the stop cut short", partial)
 
 
 def check_export_path(cfg: Config) -> None:
@@ -205,24 +283,29 @@ def check_export_path(cfg: Config) -> None:
     if Path(cfg.export_path).exists() and not cfg.export_overwrite:
         raise ConfigError(f"export_path {cfg.export_path} already exists; set "
                           f"export_overwrite=true to replace it, or give another export_path")
+    if cfg.export_overwrite:
+        check_replaceable(cfg.export_path, "export_overwrite=true")
     _check_directory_target(cfg.export_path, "export_path")
 
 
 def check_checkpoint_dir(cfg: Config) -> None:
     """Before any work: `checkpoint_dir` is a directory this process can write in, or one it
-    can create (Orbax would fail only at the first save, `checkpoint_every` steps in), and it
-    neither holds nor lies inside `export_path`, whose replacement would take it along."""
-    if not cfg.checkpoint_dir:
+    can create (Orbax would fail only at the first save, `checkpoint_every` steps in), and
+    neither it nor `tokenizer_path` overlaps `export_path`, whose replacement would take them
+    along."""
+    if cfg.checkpoint_dir:
+        _check_directory_target(cfg.checkpoint_dir, "checkpoint_dir")
+    if not cfg.export_path:
         return
-    _check_directory_target(cfg.checkpoint_dir, "checkpoint_dir")
-    if cfg.export_path:
-        checkpoints, export_to = (Path(p).resolve() for p in (cfg.checkpoint_dir,
-                                                              cfg.export_path))
-        if checkpoints == export_to or export_to in checkpoints.parents \
-                or checkpoints in export_to.parents:
-            raise ConfigError(f"export_path {cfg.export_path} and checkpoint_dir "
-                              f"{cfg.checkpoint_dir} overlap; an export replaces its whole "
-                              f"directory, so give them separate places")
+    export_to = Path(cfg.export_path).resolve()
+    for key in ("checkpoint_dir", "tokenizer_path"):
+        if not cfg[key]:
+            continue
+        path = Path(cfg[key]).resolve()
+        if path == export_to or export_to in path.parents or path in export_to.parents:
+            raise ConfigError(f"export_path {cfg.export_path} and {key} {cfg[key]} overlap; "
+                              f"an export replaces its whole directory, so give them "
+                              f"separate places")
 
 
 def check_tokenizer_path(cfg: Config) -> None:
@@ -295,7 +378,8 @@ def run_steps(cfg: Config, train_step: TrainStep, state: TrainState,
             logged, logged_at = done, now
         if manager is not None and (done % cfg.checkpoint_every == 0
                                     or done == cfg.train_steps):
-            save_checkpoint(manager, done, state, data)
+            with files.signals_deferred():  # Ctrl-C stops the run once the save is out
+                save_checkpoint(manager, done, state, data)
     bar.close()
     return state, losses
 
@@ -323,17 +407,20 @@ def train(cfg: Config) -> TrainResult:
     state = TrainState(params, optimizer.init(params))
     data = training_batches(cfg, tokenizer)
     manager = checkpoint_manager(cfg)
-    start = 0
-    if manager is not None and manager.latest_step() is not None:
-        start, state = restore_checkpoint(manager, state, data)
-        log.info("resumed from %s at step %d", cfg.checkpoint_dir, start)
-    losses: list[float] = []
-    if start < cfg.train_steps:
-        train_step = compile_train_step(cfg, graphdef, optimizer, state)
-        state, losses = run_steps(cfg, train_step, state, data, manager, start)
-    if manager is not None:
-        manager.wait_until_finished()
-        manager.close()
+    completed = False
+    try:
+        start = 0
+        if manager is not None and manager.latest_step() is not None:
+            start, state = restore_checkpoint(manager, state, data)
+            log.info("resumed from %s at step %d", cfg.checkpoint_dir, start)
+        losses: list[float] = []
+        if start < cfg.train_steps:
+            train_step = compile_train_step(cfg, graphdef, optimizer, state)
+            state, losses = run_steps(cfg, train_step, state, data, manager, start)
+        completed = True
+    finally:
+        if manager is not None:
+            close_checkpoints(manager, completed)
     if cfg.export_path:
         export(cfg, state.params, cfg.export_path)
     return TrainResult(state.params, losses)

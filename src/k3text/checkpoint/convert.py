@@ -394,7 +394,7 @@ def convert(hf_dir: str | Path, out: str | Path, model_config: str | Path | None
                                                   f"lists them)" if more else ""))
     staged = None
     try:
-        with store.staged_directory(out, force) as (staging, staged):
+        with store.staged_directory(out, force, "--force") as (staging, staged):
             with store.Writer(store.create_arrays(staging, plan.arrays)) as writer:
                 _stream(plan, writer, progress)
             store.write_tree_metadata(staging, plan.arrays)
@@ -513,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"tensors ({plan.source.layout} layout, {inv.vision} vision tensors "
                       f"dropped)")
             return 0
-    except (CheckpointError, ConfigError, files.OutputError, OSError) as e:
+    except (ValueError, OSError) as e:  # CheckpointError, ConfigError, OutputError included
         print(f"error: {e}", file=sys.stderr)
         return files.exit_status(e)
     except Interrupted as e:

@@ -216,14 +216,31 @@ def write_model_config(directory: Path, cfg: Config) -> None:
         yaml.safe_dump(cfg.model_dict(), sort_keys=False))
 
 
+def check_replaceable(out: str | os.PathLike, how_to_replace: str = "force=True") -> None:
+    """An existing `out` may be replaced (when asked) only if it is an empty directory or a
+    checkpoint (k3text's, or a Hugging Face one as `synthetic` writes): a mistyped path must
+    not cost a directory of something else."""
+    path = Path(out).resolve()
+    if not path.is_dir() or not any(path.iterdir()):
+        return
+    markers = (f"{PARAMS_DIR}/_METADATA", CHECKPOINT_MODEL_FILE, "config.json")
+    if not any((path / marker).is_file() for marker in markers):
+        raise CheckpointError(f"{out} is neither empty nor a checkpoint (it has no "
+                              f"{', '.join(markers)}); {how_to_replace} replaces only a "
+                              f"checkpoint: remove it yourself, or give another path")
+
+
 @contextlib.contextmanager
 def staged_directory(out: str | os.PathLike, force: bool = False,
+                     how_to_replace: str = "force=True",
                      ) -> Iterator[tuple[Path, files.Staged]]:
     """`files.staged_directory` for a checkpoint: an existing `out` is a CheckpointError unless
-    `force`."""
+    `force` (which `how_to_replace` names to the user), and even then unless it is an empty
+    directory or a k3text checkpoint (`check_replaceable`)."""
+    if force:
+        check_replaceable(out, how_to_replace)
     try:
-        staged = files.staged_directory(out, replace=force, how_to_replace="--force "
-                                                                          "(force=True)")
+        staged = files.staged_directory(out, replace=force, how_to_replace=how_to_replace)
         with staged as pair:
             yield pair
     except files.OutputError as e:
@@ -244,12 +261,17 @@ def stored_arrays(path: str | os.PathLike) -> dict[str, jax.ShapeDtypeStruct]:
     params = Path(path) / PARAMS_DIR
     if not (params / "_METADATA").is_file():
         raise CheckpointError(f"{path}: not a k3text checkpoint (no {PARAMS_DIR}/_METADATA)")
+    # The handler itself: the Checkpointer around it turns a damaged file into None and a
+    # log line of its own.
+    handler = ocp.PyTreeCheckpointHandler()
     try:
-        tree = _checkpointer().metadata(params).item_metadata.tree
+        tree = handler.metadata(params).tree
         return {name: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype) for name, m in tree.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON errors included
         raise CheckpointError(f"{params / '_METADATA'}: damaged, the parameter tree cannot be "
                               f"read ({type(e).__name__}: {e})") from None
+    finally:
+        handler.close()
 
 
 def check_stored_files(path: str | os.PathLike, names: Iterable[str]) -> None:
@@ -342,12 +364,12 @@ def restore(path: str | os.PathLike,
                     for name, t in targets.items()}
     item = {name: stored[name] for name in targets}
     try:
-        with _stderr_kept_for_success():
+        with stderr_kept_for_success():
             arrays = _checkpointer().restore(
                 Path(path) / PARAMS_DIR,
                 args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
     except Exception as e:  # Orbax wraps tensorstore's errors in its own
-        cause = _root_cause(e)
+        cause = root_cause(e)
         if not any(code in cause for code in ("DATA_LOSS", "NOT_FOUND", "Error reading")):
             raise  # not the files' fault (memory, a bug): the whole story is worth keeping
         raise CheckpointError(f"{path}: the checkpoint is damaged: {cause}") from None
@@ -356,7 +378,7 @@ def restore(path: str | os.PathLike,
 
 
 @contextlib.contextmanager
-def _stderr_kept_for_success() -> Iterator[None]:
+def stderr_kept_for_success() -> Iterator[None]:
     """Hold what is written to sys.stderr during the block; pass it on if the block succeeds.
     When one read fails, Orbax's other reads fail in its threads as its event loop closes and
     print tracebacks of their own; the CheckpointError raised instead says what happened."""
@@ -377,12 +399,13 @@ def _stderr_kept_for_success() -> Iterator[None]:
             real.write(held.getvalue())
 
 
-def _root_cause(error: BaseException) -> str:
-    """The first line of the innermost error in a chain (tensorstore's, naming the file)."""
+def root_cause(error: BaseException) -> str:
+    """The first line of the innermost error in a chain (tensorstore's, naming the file),
+    without the driver spec tensorstore appends."""
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    return text.splitlines()[0].split(" [tensorstore_spec=")[0] if text else type(error).__name__
 
 
 def _floating(dtype: Any) -> bool:

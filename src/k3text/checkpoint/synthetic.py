@@ -27,8 +27,8 @@ from flax import nnx
 
 from k3text import files
 from k3text.checkpoint import hf, hf_config, names, store
-from k3text.checkpoint.safetensors_io import CheckpointError, save_sharded
-from k3text.config import Config, ConfigError, load_config
+from k3text.checkpoint.safetensors_io import save_sharded
+from k3text.config import Config, load_config
 from k3text.layers.initializers import Init
 from k3text.models.decoder import Decoder
 
@@ -73,7 +73,7 @@ def write_checkpoint(cfg: Config, out: str | Path, layout: str | None = None, se
     """Write a random `layout` checkpoint of `cfg`'s model to `out`; returns the layout."""
     layout = layout or names.default_layout(cfg)
     # The output is checked (an existing one needs `force`) before the model is built.
-    with store.staged_directory(out, force) as (staging, _):
+    with store.staged_directory(out, force, "--force") as (staging, _):
         tensors = hf_checkpoint_tensors(cfg, random_params(cfg, seed), layout, seed)
         save_sharded(_split(tensors, shards), staging)
         (staging / "config.json").write_text(
@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = load_config(args.model_config)
             layout = write_checkpoint(cfg, args.out, args.layout, args.seed, args.shards,
                                       args.force)
-    except (CheckpointError, ConfigError, files.OutputError, OSError) as e:
+    except (ValueError, OSError) as e:  # CheckpointError, ConfigError, OutputError included
         print(f"error: {e}", file=sys.stderr)
         return files.exit_status(e)
     except (KeyboardInterrupt, SystemExit) as e:

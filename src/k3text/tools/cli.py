@@ -123,16 +123,16 @@ def split_tool_keys(items: Sequence[str], names: Sequence[str],
 def run(p: argparse.ArgumentParser, argv: Sequence[str] | None,
         body: Callable[[argparse.Namespace, Config, dict[str, int]], str],
         tool_keys: Sequence[str] = ()) -> int:
-    """Parse, load the config, print `body(args, cfg, tool values)`; a config or argument
-    problem ends in one line on stderr and exit status 2."""
+    """Parse, load the config, print `body(args, cfg, tool values)`; a config, argument or file
+    problem ends in one line on stderr and exit status 2 (an operating-system error 1)."""
     args = p.parse_intermixed_args(argv)
     try:
         overrides, values = split_tool_keys(args.overrides, tool_keys)
         cfg = load_config(args.config, overrides)
         print(body(args, cfg, values))
-    except ConfigError as e:
+    except (ValueError, OSError) as e:  # ConfigError included; a file the tool writes or reads
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return files.exit_status(e)
     except KeyboardInterrupt:
         print(f"{p.prog}: interrupted", file=sys.stderr)
         return 130

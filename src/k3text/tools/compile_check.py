@@ -30,7 +30,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from k3text.config import Config, ConfigError, load_config, request_host_devices
+from k3text import files
+from k3text.config import Config, load_config, request_host_devices
 from k3text.tools import collectives
 
 GIB = 1024**3
@@ -290,9 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         request_host_devices(args)
         check(load_config(args[0], args[1:]), tpu=tpu, serving=serving)
-    except ConfigError as e:
+    except (ValueError, OSError) as e:  # ConfigError included
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return files.exit_status(e)
     except KeyboardInterrupt:
         print("k3text.tools.compile_check: interrupted", file=sys.stderr)
         return 130
