@@ -1,6 +1,7 @@
 """Side-by-side baselines, each pair in one process on the same weights and inputs.
 
-    python benchmarks/baselines.py [--quick] [--only SECTION ...] [--out DIR]
+    python benchmarks/baselines.py [--quick] [--only SECTION ...] [--out DIR] [--force]
+                                    [--torch-threads N]
 
 Sections (all by default):
 
@@ -60,6 +61,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -509,12 +511,16 @@ TTFT_PROMPT = 2048
 
 
 def earlier_kda_chunked(name: str) -> Callable[..., Any]:
-    import subprocess
     import types
 
     commit, path = EARLIER_KDA[name]
-    source = subprocess.run(["git", "-C", str(benchlib.ROOT), "show", f"{commit}:{path}"],
-                            capture_output=True, text=True, check=True).stdout
+    shown = subprocess.run(["git", "-C", str(benchlib.ROOT), "show", f"{commit}:{path}"],
+                           capture_output=True, text=True)
+    if shown.returncode:
+        raise ValueError(f"the ttft section reads the {name!r} KDA form from git history "
+                         f"({commit}:{path}), which this checkout lacks (a shallow clone or an "
+                         f"archive?): {shown.stderr.strip()}")
+    source = shown.stdout
     module = types.ModuleType(f"k3text_{name}_kda")
     exec(compile(source, f"{commit}:{path}", "exec"), module.__dict__)
 
@@ -716,18 +722,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     parser.add_argument("--only", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     parser.add_argument("--out", type=Path, default=benchlib.RESULTS / "baselines")
-    parser.add_argument("--torch-threads", type=int, default=1,
+    parser.add_argument("--force", action="store_true",
+                        help="replace the results files of an earlier run in --out")
+    parser.add_argument("--torch-threads", type=_positive_int, default=1,
                         help="torch intra-op threads (default 1: see the module docstring)")
     args = parser.parse_args(argv)
+    try:  # before any section runs: where each one's results go, and the history `ttft` reads
+        benchlib.check_outputs([args.out / f"{section}.{ext}" for section in args.only
+                                for ext in ("jsonl", "csv", "png")], args.force)
+        if "ttft" in args.only:
+            for name in EARLIER_KDA:
+                earlier_kda_chunked(name)
+    except (ValueError, OSError) as e:  # OutputError included
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.torch_threads)
     machine = benchlib.machine(torch=torch.__version__, torch_threads=torch.get_num_threads())
     print(benchlib.machine_line(machine))
-    for section in args.only:
-        seconds, rows = timed(lambda s=section: SECTIONS[s][0](args.quick))
-        print(f"[{section}: {seconds:.0f} s]\n")
-        write(section, rows, args.out, machine)
+    written = []
+    try:
+        for section in args.only:
+            seconds, rows = timed(lambda s=section: SECTIONS[s][0](args.quick))
+            print(f"[{section}: {seconds:.0f} s]\n")
+            write(section, rows, args.out, machine)
+            written.append(section)
+    except KeyboardInterrupt:  # each finished section's files are already whole on disk
+        print(f"interrupted; sections written: {', '.join(written) or 'none'}", file=sys.stderr)
+        return 130
     print(f"wrote {', '.join(f'{s}.jsonl/.csv/.png' for s in args.only)} in {args.out}")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
 
 
 if __name__ == "__main__":

@@ -172,9 +172,20 @@ def rounded(value: Any, digits: int = 4) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+def check_outputs(paths: Iterable[Path], force: bool) -> None:
+    """Before any work (a run can take an hour): every results file can be written where asked,
+    and one that exists (an earlier run's, perhaps the committed one) is replaced only with
+    --force. Raises `files.OutputError`."""
+    for path in paths:
+        files.check_output_file(path, "--out")
+        if path.exists() and not force:
+            raise files.OutputError(f"{path} already exists (an earlier run's results); use "
+                                    f"--force to replace it, or give another --out")
+
+
+def _atomic_write(path: Path, write: Callable[[Any], None], binary: bool = False) -> None:
     """A failed run never leaves a half-written results file (`k3text.files`)."""
-    files.write_atomically(path, write)
+    files.write_atomically(path, write, binary=binary)
 
 
 def write_jsonl(path: Path, header: Mapping[str, Any], rows: Iterable[Mapping[str, Any]]
@@ -209,8 +220,8 @@ def write_csv(path: Path, header: Mapping[str, Any], fields: Sequence[str],
 def save_figure(fig: Any, path: Path, m: Mapping[str, Any]) -> None:
     """Save a matplotlib figure with the machine line as its footer."""
     fig.text(0.5, -0.02, machine_line(m), ha="center", va="top", fontsize=7, color="0.4")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"),
+                  binary=True)
 
 
 def pyplot():

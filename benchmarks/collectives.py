@@ -1,6 +1,6 @@
 """Collective latency: the fixed cost of one small all_to_all / psum call (report §12.1 ⑩).
 
-    python benchmarks/collectives.py [--quick] [--out DIR]
+    python benchmarks/collectives.py [--quick] [--runs N] [--out DIR] [--force]
 
 Method, on a 1-D mesh over every device (8 fake devices on CPU unless XLA_FLAGS sets a count):
 
@@ -173,7 +173,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"payloads {QUICK_PAYLOADS}, N up to {max(QUICK_CALLS)}, 5 runs")
     parser.add_argument("--runs", type=int, help="timed runs per program (default 20; 5 quick)")
     parser.add_argument("--out", type=Path, default=benchlib.RESULTS / "collectives")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the results files of an earlier run in --out")
     args = parser.parse_args(argv)
+    if args.runs is not None and args.runs < 1:
+        parser.error(f"argument --runs: expected an integer >= 1, got {args.runs}")
+    try:
+        benchlib.check_outputs([args.out / f"collectives.{ext}" for ext in ("jsonl", "csv", "png")],
+                               args.force)
+    except (ValueError, OSError) as e:  # OutputError included
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     payloads, calls = (QUICK_PAYLOADS, QUICK_CALLS) if args.quick else (PAYLOADS, CALLS)
     runs = args.runs or (5 if args.quick else 20)
     machine = benchlib.machine()

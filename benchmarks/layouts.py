@@ -1,7 +1,7 @@
 """Pinned activation layouts vs the partitioner's own, on the 8-device CPU configs, in one
 process.
 
-    python benchmarks/layouts.py [--quick] [--out DIR]
+    python benchmarks/layouts.py [--quick] [--out DIR] [--force]
 
 For each config (configs/inference/cpu8-local.yml, cpu8-all-to-all.yml: the shipped k3-small
 on tensor 2 x expert 4), two engines over the same checkpoint: one as the model runs
@@ -94,7 +94,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--out", type=Path, default=benchlib.RESULTS / "layouts")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the results files of an earlier run in --out")
     args = parser.parse_args(argv)
+    try:
+        benchlib.check_outputs([args.out / "layouts.jsonl", args.out / "layouts.csv"],
+                               args.force)
+    except (ValueError, OSError) as e:  # OutputError included
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     machine = benchlib.machine(devices=jax.device_count())
     print(benchlib.machine_line(machine))
     repeats = 3 if args.quick else 7
@@ -108,7 +116,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 title=f"decode step, k3-small on 8 CPU devices, batch 20, median of {repeats} "
                       f"interleaved runs; collectives per step from the compiled HLO, MB at "
                       f"the partitioner's dtypes"))
-    args.out.mkdir(parents=True, exist_ok=True)
     benchlib.write_jsonl(args.out / "layouts.jsonl", machine, rows)
     benchlib.write_csv(args.out / "layouts.csv", machine, FIELDS, rows)
     print(f"wrote layouts.jsonl/.csv in {args.out}")

@@ -2,6 +2,7 @@
 
     python benchmarks/serve_load.py [CONFIG] [key=value ...] [--requests N] [--rates 2,8,32]
                                     [--concurrency C] [--rounds R] [--seed S] [--out DIR]
+                                    [--force]
                                     [--workload mixed|decode-heavy] [--shared-prefix]
                                     [--baseline key=value,...]
 
@@ -45,7 +46,9 @@ median-TTFT ratio; writes prefix_cache.jsonl and prefix_cache.csv to --out.
 Prints the table and the three ratios the serving issue set (saturation tokens/s vs the
 offline loop, TPOT p50 with all slots busy vs the offline per-step time, continuous vs static
 batching); writes serve_load.jsonl (line 1 the machine), serve_load.csv and serve_load.png to
---out (default benchmarks/results/serve_load/).
+--out (default benchmarks/results/serve_load/). Flags, configs and the output files are checked
+before anything runs: existing results are replaced only with --force. The servers it starts are
+stopped on every way out (an error, Ctrl-C, SIGTERM); an interrupted run writes nothing.
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ import benchlib
 import httpx
 import numpy as np
 
-from k3text import corpus
-from k3text.config import CONFIG_DIR, ConfigError, load_config
+from k3text import corpus, files
+from k3text.config import CONFIG_DIR, load_config
 from k3text.tools.tables import table
 
 FIELDS = ("mode", "round", "rate_rps", "concurrency", "requests", "output_tokens", "seconds",
@@ -119,10 +122,15 @@ class ServerProcess:
             cwd=benchlib.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        self.url = self._listening()
-        while httpx.get(self.url + "/health", timeout=10).status_code != 200:
-            self._alive()
-            time.sleep(0.5)
+        try:  # a server that fails to start, or a signal meanwhile, leaves no process behind
+            self.url = self._listening()
+            while httpx.get(self.url + "/health", timeout=10).status_code != 200:
+                self._alive()
+                time.sleep(0.5)
+        except BaseException:
+            with files.uninterrupted():
+                self.stop()
+            raise
 
     def _read(self) -> None:
         for line in self.proc.stderr:
@@ -131,7 +139,9 @@ class ServerProcess:
 
     def _alive(self) -> None:
         if self.proc.poll() is not None:
-            sys.exit(f"the server exited with {self.proc.returncode}")
+            said = next((line for line in reversed(self.lines) if line.startswith("error:")),
+                        f"exit status {self.proc.returncode}")
+            raise RuntimeError(f"the server stopped during start-up: {said}")
 
     def _listening(self) -> str:
         while True:
@@ -142,7 +152,13 @@ class ServerProcess:
             time.sleep(0.1)
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within a minute: never left running."""
         self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.proc.wait(120)
 
 
@@ -320,6 +336,8 @@ def shared_prefix(args: argparse.Namespace, overrides: list[str]) -> None:
 
     overrides = [*overrides, *PREFIX_OVERRIDES]
     cfg = load_config(args.config, overrides)
+    benchlib.check_outputs([args.out / "prefix_cache.jsonl", args.out / "prefix_cache.csv"],
+                           args.force)
     tokenizer = load_tokenizer(cfg.tokenizer_type, decode.tokenizer_path(cfg))
     system, suffixed, talks = shared_prefix_workloads(cfg, tokenizer, args.requests, args.seed)
     slots = cfg.global_batch_size
@@ -345,7 +363,6 @@ def shared_prefix(args: argparse.Namespace, overrides: list[str]) -> None:
         print(f"prefix cache {'on' if cached else 'off'}: done", file=sys.stderr)
     m = benchlib.machine(config=args.config, overrides=overrides, slots=slots,
                          requests=len(suffixed), conversations=len(talks))
-    args.out.mkdir(parents=True, exist_ok=True)
     benchlib.write_jsonl(args.out / "prefix_cache.jsonl", m, rows)
     benchlib.write_csv(args.out / "prefix_cache.csv", m, PREFIX_FIELDS, rows)
     print(benchlib.machine_line(m))
@@ -514,17 +531,37 @@ def plot(rows: list[dict[str, Any]], m: dict[str, Any], path: Path) -> None:
     benchlib.save_figure(fig, path, m)
 
 
-def main() -> None:
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",")]
+    except ValueError:
+        rates = []
+    if not rates or not all(0 < r < float("inf") for r in rates):
+        raise argparse.ArgumentTypeError(f"expected requests/s > 0 separated by commas, got "
+                                         f"{text!r}")
+    return rates
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", default=str(CONFIG_DIR / "inference" / "cpu.yml"))
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
-    p.add_argument("--requests", type=int, default=96)
-    p.add_argument("--rates", default="2,8,32")
-    p.add_argument("--concurrency", type=int, default=0, help="default 2 x slots")
+    p.add_argument("--requests", type=_positive_int, default=96)
+    p.add_argument("--rates", type=_rates, default=[2.0, 8.0, 32.0],
+                   help="Poisson arrival rates, requests/s, separated by commas (default 2,8,32)")
+    p.add_argument("--concurrency", type=_positive_int, default=None, help="default 2 x slots")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=_positive_int, default=3,
                    help="interleaved rounds of offline steady state, saturation, static batches")
     p.add_argument("--out", type=Path, default=benchlib.RESULTS / "serve_load")
+    p.add_argument("--force", action="store_true",
+                   help="replace the results files of an earlier run in --out")
     p.add_argument("--baseline", default="",
                    help="comma-separated key=value overrides of a baseline server saturated in "
                         "every round beside the server")
@@ -537,14 +574,32 @@ def main() -> None:
     if "=" in args.config and not Path(args.config).exists():  # only overrides were given
         args.overrides.insert(0, args.config)
         args.config = default_config
+    try:  # SIGTERM unwinds like Ctrl-C, so the servers are stopped
+        with files.unwinding_signals():
+            if args.shared_prefix:
+                shared_prefix(args, [*DEFAULT_OVERRIDES, *args.overrides])
+            else:
+                load_test(args)
+    except (ValueError, OSError) as e:  # ConfigError and OutputError included
+        print(f"error: {e}", file=sys.stderr)
+        return files.exit_status(e)
+    except RuntimeError as e:  # a server that did not start
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; no results written", file=sys.stderr)
+        return 130
+    return 0
+
+
+def load_test(args: argparse.Namespace) -> None:
     overrides = [*DEFAULT_OVERRIDES, *args.overrides]
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
-    if args.shared_prefix:
-        shared_prefix(args, overrides)
-        return
+    cfg = load_config(args.config, overrides)
+    baseline_overrides = [o for o in args.baseline.split(",") if o]
+    if baseline_overrides:  # checked now, not once the first server is up
+        load_config(args.config, [*overrides, *baseline_overrides])
+    benchlib.check_outputs([args.out / f"serve_load.{ext}" for ext in ("jsonl", "csv", "png")],
+                           args.force)
     from k3text import decode
     from k3text.serve import model_name
     from k3text.tokenizer import load_tokenizer
@@ -555,15 +610,15 @@ def main() -> None:
     concurrency = args.concurrency or 2 * slots
     model = model_name(cfg)
     offline = Offline(args.config, overrides, requests)
-    server = ServerProcess(args.config, overrides)
-    baseline_overrides = [o for o in args.baseline.split(",") if o]
-    baseline = ServerProcess(args.config, [*overrides, *baseline_overrides]) \
-        if baseline_overrides else None
     baseline_mode = f"fixed concurrency, baseline {' '.join(baseline_overrides)}"
     rows, rounds = [], []
+    server = baseline = None
     try:
+        server = ServerProcess(args.config, overrides)
+        if baseline_overrides:
+            baseline = ServerProcess(args.config, [*overrides, *baseline_overrides])
         asyncio.run(closed_loop(server.url, model, requests[:slots], slots, slots))  # warm
-        for rate in (float(r) for r in args.rates.split(",")):
+        for rate in args.rates:
             rows.append(asyncio.run(poisson(server.url, model, requests, rate, args.seed)))
             print(f"poisson {rate:g}/s: {rows[-1]['output_tokens_per_s']:.1f} tok/s",
                   file=sys.stderr)
@@ -597,13 +652,13 @@ def main() -> None:
             print(f"round {i + 1}: " + ", ".join(f"{k} {v:.2f}x" for k, v in rounds[-1].items()),
                   file=sys.stderr)
     finally:
-        server.stop()
-        if baseline:
-            baseline.stop()
+        with files.uninterrupted():
+            for running in (server, baseline):
+                if running is not None:
+                    running.stop()
     m = benchlib.machine(config=args.config, overrides=overrides, slots=slots,
                          requests=len(requests), rounds=args.rounds, workload=args.workload,
                          baseline=baseline_overrides)
-    args.out.mkdir(parents=True, exist_ok=True)
     benchlib.write_jsonl(args.out / "serve_load.jsonl", m, rows)
     benchlib.write_csv(args.out / "serve_load.csv", m, FIELDS, rows)
     plot(rows, m, args.out / "serve_load.png")
@@ -648,4 +703,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Config sweeps: real decode runs over a grid of config keys.
 
-    python benchmarks/sweep.py SWEEP.yml [--out DIR] [--list] [key=value ...]
+    python benchmarks/sweep.py SWEEP.yml [--out DIR] [--force] [--list] [key=value ...]
 
 A sweep file (YAML, every key but `base` and `prompt_lengths` optional):
 
@@ -44,8 +44,10 @@ Outputs in --out (default benchmarks/results/NAME/): NAME.jsonl (line 1: machine
 then one object per point, FIELDS plus the grid keys), NAME.csv (same rows; `#` comment lines
 carry the machine), NAME.png (decode tokens/s, TTFT and step p50 against the first grid key).
 A point that fails at run time (e.g. out of memory) is recorded with its `error` and the sweep
-goes on; the exit status is then 1. Configs and prompt lengths are validated before anything
-runs. Multi-device points run on 8 fake CPU devices unless XLA_FLAGS already sets a count.
+goes on; the exit status is then 1. Configs, prompt lengths and the output files are validated
+before anything runs: existing results are replaced only with --force. Ctrl-C writes the rows
+measured so far (the header says `"interrupted": true`) and exits 130. Multi-device points run
+on 8 fake CPU devices unless XLA_FLAGS already sets a count.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ import yaml
 from flax import nnx
 from tqdm import tqdm
 
-from k3text import decode, sharding
+from k3text import decode, files, sharding
 from k3text.config import MESH_AXES, MODEL_KEYS, Config, ConfigError, load_config
 from k3text.inference import sampling
 from k3text.inference.engine import Engine
@@ -126,6 +128,8 @@ def load_sweep(path: str | Path) -> Sweep:
         raw = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"sweep file not found: {path}") from None
+    except OSError as e:  # a directory, a file it may not read
+        raise ConfigError(f"sweep file {path} cannot be read ({e.strerror})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML ({e})") from None
     if not isinstance(raw, dict):
@@ -357,11 +361,13 @@ def engine_for(cfg: Config, weights: Weights | None) -> tuple[Engine, Weights]:
     return engine, Weights(key, engine.params, ctx)
 
 
-def run_sweep(sweep: Sweep, overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """Run every point; one row per (config, prompt length)."""
+def run_sweep(sweep: Sweep, overrides: Sequence[str] = (),
+              rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Run every point; one row per (config, prompt length), appended to `rows` as each is
+    measured (so a caller interrupted midway keeps what was measured)."""
     configs = expand(sweep, overrides)
     rng = np.random.default_rng(0)
-    rows: list[dict[str, Any]] = []
+    rows = [] if rows is None else rows
     bar = tqdm(total=len(configs) * len(sweep.prompt_lengths), desc=sweep.name, unit="point",
                file=sys.stderr, disable=jax.process_index() != 0)
     decode.enable_compilation_cache(configs[0][1])
@@ -434,10 +440,16 @@ def plot(sweep: Sweep, rows: Sequence[Mapping[str, Any]], path: Path,
     plt.close(fig)
 
 
+def output_paths(sweep: Sweep, out: Path) -> dict[str, Path]:
+    return {ext: out / f"{sweep.name}.{ext}" for ext in ("jsonl", "csv", "png")}
+
+
 def write_outputs(sweep: Sweep, rows: list[dict[str, Any]], out: Path,
-                  overrides: Sequence[str] = ()) -> dict[str, Path]:
+                  overrides: Sequence[str] = (), interrupted: bool = False) -> dict[str, Path]:
     head = header(sweep, overrides)
-    paths = {ext: out / f"{sweep.name}.{ext}" for ext in ("jsonl", "csv", "png")}
+    if interrupted:
+        head["interrupted"] = True  # the rows are the points measured before Ctrl-C
+    paths = output_paths(sweep, out)
     benchlib.write_jsonl(paths["jsonl"], head, rows)
     benchlib.write_csv(paths["csv"], head["machine"], columns(sweep), rows)
     plot(sweep, rows, paths["png"], head["machine"])
@@ -469,10 +481,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(default benchmarks/results/NAME/)")
     parser.add_argument("--list", action="store_true",
                         help="validate and print the points, run nothing")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the results files of an earlier run in --out")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    rows: list[dict[str, Any]] = []
+    interrupted = False
     try:
         sweep = load_sweep(args.sweep)
+        out = args.out or benchlib.RESULTS / sweep.name
         sharding.maybe_initialize_distributed(point_config(sweep, sweep.points()[0],
                                                            args.overrides))
         if args.list:
@@ -480,15 +497,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{i}: {point} batch={cfg.global_batch_size} mesh={cfg.mesh_shape} "
                       f"prompt_lengths={list(sweep.prompt_lengths)}")
             return 0
-        rows = run_sweep(sweep, args.overrides)
-    except (ConfigError, FileNotFoundError, ValueError) as e:  # ValueError: distributed init
+        if jax.process_index() == 0:  # before an hour of points, not after
+            benchlib.check_outputs(output_paths(sweep, out).values(), args.force)
+        try:
+            run_sweep(sweep, args.overrides, rows)
+        except KeyboardInterrupt:
+            interrupted = True
+            print(f"interrupted: writing the {len(rows)} rows measured", file=sys.stderr)
+        if jax.process_index() == 0 and rows:
+            paths = write_outputs(sweep, rows, out, args.overrides, interrupted)
+            print(summary(sweep, rows))
+            print("wrote " + ", ".join(str(p) for p in paths.values()))
+    except (ValueError, OSError) as e:  # ConfigError; ValueError: distributed init
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if jax.process_index() == 0:
-        paths = write_outputs(sweep, rows, args.out or benchlib.RESULTS / sweep.name,
-                              args.overrides)
-        print(summary(sweep, rows))
-        print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return files.exit_status(e)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    if interrupted:
+        return 130
     failed = [r for r in rows if r["error"]]
     for r in failed:
         print(f"point {r['point']} failed: {r['error']}", file=sys.stderr)

@@ -56,6 +56,31 @@ repeats: 1
     assert [r["batch"] for r in rows] == ["1", "2"]
 
     assert (out / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    # An earlier run's results are replaced only with --force, checked before any point runs.
+    measure = sweep.measure
+    sweep.measure = lambda *args: pytest.fail("measured before checking the outputs")
+    try:
+        assert sweep.main([str(spec), "--out", str(out)]) == 2
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == first
+
+        # Ctrl-C in the second point: the first point's row is written, marked interrupted.
+        calls = []
+
+        def interrupted_at_the_second(*args):
+            calls.append(args)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return measure(*args)
+
+        sweep.measure = interrupted_at_the_second
+        assert sweep.main([str(spec), "--out", str(out), "--force"]) == 130
+    finally:
+        sweep.measure = measure
+    lines = (out / "tiny.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["interrupted"] is True and len(lines) == 2
+    assert json.loads(lines[1])["batch"] == 1
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs" / "sweeps").glob("*")))

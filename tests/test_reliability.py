@@ -616,6 +616,17 @@ def test_every_command_exits_2_for_its_input_and_1_for_the_machine(tmp_path, cap
     assert err == [f"error: {error}"] * 5, err
 
 
+def test_running_out_of_device_memory_names_the_keys_to_lower(capsys):
+    def allocate(cfg):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
+
+    assert cli.main([CPU], "k3text.serve", "", allocate) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: the programs do not fit in device memory (RESOURCE_EXHAUSTED: Out of memory "
+        "allocating 9 GiB); lower per_device_batch_size, max_target_length or "
+        "prefill_chunk_size (python -m k3text.tools.memory CONFIG shows the trade-off)"]
+
+
 @pytest.fixture(scope="module")
 def small_hf(tmp_path_factory):
     """A k3-tiny Hugging Face checkpoint (module-scoped: nothing here may change it)."""

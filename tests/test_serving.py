@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import signal
 import socket
 import threading
@@ -22,7 +23,7 @@ import openai
 import pytest
 
 from k3text import corpus
-from k3text.config import load_config
+from k3text.config import ConfigError, load_config
 from k3text.inference import sampling
 from k3text.serving.multihost import LeaderEngine
 from k3text.serving.scheduler import SamplingParams
@@ -785,6 +786,21 @@ def test_a_jinja_chat_template_renders_like_hugging_face(tmp_path, bos):
     assert template.special_tokens
     assert template.render([{"role": "system", "content": "x"}, {"role": "user",
                             "content": "hi"}]) == "<s>[user]hi\n[assistant]"
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"chat_template": "{% for m in messages %}"}', "chat_template is not a valid Jinja "
+                                                     "template"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    ("{not json", "cannot be read as JSON"),
+])
+def test_a_broken_tokenizer_config_is_one_error_naming_it(tmp_path, content, message):
+    from k3text.serving.text import ChatTemplate
+
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(content)
+    with pytest.raises(ConfigError, match=f"{re.escape(str(config))}: {message}"):
+        ChatTemplate(str(tmp_path / "tiktoken.model"))
 
 
 @pytest.fixture(scope="module")

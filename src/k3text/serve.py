@@ -35,7 +35,7 @@ if __name__ == "__main__":  # before jax starts, so CPU runs of multi-device con
 import jax  # noqa: E402
 import uvicorn  # noqa: E402
 
-from k3text import decode, sharding  # noqa: E402
+from k3text import decode, files, sharding  # noqa: E402
 from k3text.config import Config, ConfigError  # noqa: E402
 from k3text.inference.engine import Engine  # noqa: E402
 from k3text.serving.api import ServerState, create_app  # noqa: E402
@@ -143,10 +143,13 @@ def serve(cfg: Config) -> None:
         sock.close()
         if loader.is_alive():
             _exit_during_start_up(sys.exc_info()[1])
-        if state.scheduler is not None:
-            state.scheduler.stop(cfg.serve_shutdown_timeout)
-        for leader in leaders:  # after the scheduler's last engine call
-            leader.close()
+        try:
+            if state.scheduler is not None:
+                state.scheduler.stop(cfg.serve_shutdown_timeout)
+        finally:  # a second signal cutting the drain short still releases the followers
+            with files.uninterrupted():
+                for leader in leaders:  # after the scheduler's last engine call
+                    leader.close()
     if failure:
         raise failure[0]
     if not server.started:
@@ -187,15 +190,20 @@ def build_prefill_engine(cfg: Config, engine: Engine) -> Engine | None:
 
 
 def _exit_during_start_up(error: BaseException | None) -> None:
-    """A signal during start-up: the loader thread is inside a compile no signal interrupts,
-    and finalising the interpreter underneath it crashes the process (a segmentation fault
-    after "stopped"). Nothing is written or held yet, so the process ends here: 0 after
-    SIGTERM, 130 after Ctrl-C."""
-    log.info("stopped during start-up")
+    """A signal (or an error of the HTTP server) during start-up: the loader thread is inside
+    a compile no signal interrupts, and finalising the interpreter underneath it crashes the
+    process (a segmentation fault after "stopped"). Nothing is written or held yet, so the
+    process ends here: 0 after SIGTERM, 130 after Ctrl-C, 1 after an error (printed)."""
+    if error is None or isinstance(error, KeyboardInterrupt | SystemExit):
+        log.info("stopped during start-up")
+        status = 130 if isinstance(error, KeyboardInterrupt) else 0
+    else:
+        print(f"error: the HTTP server failed during start-up: {error!r}", file=sys.stderr)
+        status = 1
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(130 if isinstance(error, KeyboardInterrupt) else 0)
+    os._exit(status)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from k3text.config import ConfigError
 from k3text.tokenizer import Tokenizer
 
 
@@ -117,22 +118,34 @@ class ChatTemplate:
         self.jinja = None
         self.special: dict[str, str] = {}
         config = Path(tokenizer_file).parent / "tokenizer_config.json" if tokenizer_file else None
-        if config is not None and config.is_file():
-            source = json.loads(config.read_text()).get("chat_template")
-            if isinstance(source, str):
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
+        if config is None or not config.is_file():
+            return
+        try:
+            settings = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+            raise ConfigError(f"{config}: cannot be read as JSON ({e})") from None
+        if not isinstance(settings, dict):
+            raise ConfigError(f"{config}: expected a JSON object, got {type(settings).__name__}")
+        source = settings.get("chat_template")
+        if not isinstance(source, str):
+            return
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-                # As Hugging Face renders templates: sandboxed, loop controls, trimmed blocks,
-                # and the names templates expect besides the messages.
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                    extensions=["jinja2.ext.loopcontrols"])
-                env.globals["raise_exception"] = _raise
-                self.jinja = env.from_string(source)
-                # A token is a string, or Hugging Face's AddedToken form {"content": ...}.
-                self.special = {k: v.get("content") if isinstance(v, dict) else v
-                                for k, v in json.loads(config.read_text()).items()
-                                if k in ("bos_token", "eos_token")}
-                self.special = {k: v for k, v in self.special.items() if isinstance(v, str)}
+        # As Hugging Face renders templates: sandboxed, loop controls, trimmed blocks, and the
+        # names templates expect besides the messages.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise
+        try:
+            self.jinja = env.from_string(source)
+        except TemplateError as e:
+            raise ConfigError(f"{config}: chat_template is not a valid Jinja template "
+                              f"({e})") from None
+        # A token is a string, or Hugging Face's AddedToken form {"content": ...}.
+        special = {k: v.get("content") if isinstance(v, dict) else v
+                   for k, v in settings.items() if k in ("bos_token", "eos_token")}
+        self.special = {k: v for k, v in special.items() if isinstance(v, str)}
 
     @property
     def special_tokens(self) -> bool:

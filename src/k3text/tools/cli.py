@@ -48,11 +48,25 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
         print(f"{prog}: interrupted", file=sys.stderr)
         _quiet_from_here()
         return 130
+    except Exception as e:
+        if not _out_of_device_memory(e):
+            raise
+        print(f"error: the programs do not fit in device memory ({str(e).splitlines()[0]}); "
+              f"lower per_device_batch_size, max_target_length or prefill_chunk_size "
+              f"(python -m k3text.tools.memory CONFIG shows the trade-off)", file=sys.stderr)
+        _quiet_from_here()
+        return 2
     except _Terminated:
         print(f"{prog}: terminated", file=sys.stderr)
         _quiet_from_here()
         return 128 + signal.SIGTERM
     return 0
+
+
+def _out_of_device_memory(error: BaseException) -> bool:
+    """An XLA allocation failure (a compile's or a run's temporaries): the config asks for more
+    than the device holds. By name: this module is imported before jax may be."""
+    return type(error).__name__ == "JaxRuntimeError" and "RESOURCE_EXHAUSTED" in str(error)
 
 
 def _quiet_from_here() -> None:
