@@ -180,9 +180,9 @@ def write_atomically(path: str | os.PathLike, write: Callable[[IO[Any]], None], 
         mode = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
     try:
-        os.fchmod(fd, mode)  # mkstemp makes 0600
         with (os.fdopen(fd, "wb") if binary
               else os.fdopen(fd, "w", encoding="utf-8", newline="")) as f:
+            os.fchmod(f.fileno(), mode)  # mkstemp makes 0600
             write(f)
             f.flush()
             os.fsync(f.fileno())

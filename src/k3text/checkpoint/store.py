@@ -236,7 +236,7 @@ def staged_directory(out: str | os.PathLike, force: bool = False,
                      ) -> Iterator[tuple[Path, files.Staged]]:
     """`files.staged_directory` for a checkpoint: an existing `out` is a CheckpointError unless
     `force` (which `how_to_replace` names to the user), and even then unless it is an empty
-    directory or a k3text checkpoint (`check_replaceable`)."""
+    directory or a checkpoint (`check_replaceable`)."""
     if force:
         check_replaceable(out, how_to_replace)
     try:
