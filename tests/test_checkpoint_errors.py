@@ -274,6 +274,29 @@ def test_a_real_signal_at_any_moment_leaves_a_whole_output_or_none(small_source,
     assert "nothing" in outcomes
 
 
+@pytest.mark.parametrize("module", ["checkpoint.convert", "checkpoint.synthetic", "decode"])
+def test_a_signal_during_interpreter_shutdown_prints_nothing_after_the_last_line(tmp_path,
+                                                                                 module):
+    """A signal that lands once the command has said how it ended, in an exit handler (jax
+    clears its caches at exit, for long enough to be hit): no traceback follows the last
+    line. The process under test signals itself from the first exit handler to run."""
+    small = str(MODELS / "k3-small.yml")
+    args, status = {
+        "checkpoint.convert": (["--model-config", small, "--dry-run"], 0),
+        "checkpoint.synthetic": (["--model-config", small, "--out", str(tmp_path / "hf"),
+                                  "--shards", "1"], 0),
+        "decode": ([str(tmp_path / "missing.yml")], 2)}[module]
+    script = ("import atexit, os, signal, sys\n"
+              f"import k3text.{module} as command\n"
+              "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
+              "sys.exit(command.main(sys.argv[1:]))\n")
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == status, done.stderr
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
+    assert (done.stdout if status == 0 else done.stderr).strip()  # how it ended
+
+
 def test_command_line_tool(source, tmp_path):
     script = ROOT / "tools" / "convert" / "hf_to_k3text.py"
     done = subprocess.run([sys.executable, str(script), "--hf-dir", str(source), "--out",

@@ -10,7 +10,9 @@
 - `signals_deferred`: SIGINT and SIGTERM delivered only once a step that must not be cut in
   half (a checkpoint save) is over;
 - `gc_safe`: a signal handler that never raises inside a garbage-collector callback;
-- `exit_status`: 2 for an error in a command's input, 1 for the machine's.
+- `exit_status`: 2 for an error in a command's input, 1 for the machine's;
+- `quiet_from_here`: a command's way out, with nothing a library left pending printed after
+  its last line.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import secrets
 import shutil
 import signal
 import stat
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -100,6 +103,23 @@ def unwinding_signals(terminate: Callable[[int, Any], Any] | None = None) -> Ite
         for signum, handler in previous.items():
             if handler is not None:  # None: a handler not installed from Python
                 signal.signal(signum, handler)
+
+
+def quiet_from_here() -> None:
+    """The command ends on the error or signal just printed. Work a library left pending
+    (Orbax's other reads after a damaged chunk, an event loop a signal cut short and the
+    collector finalises at exit) fails again in its threads and at exit, with tracebacks that
+    add nothing: from here on the process drops unraisable and thread errors, and, when
+    sys.stderr is the process's own, all further stderr output (a signal landing in jax's exit
+    handlers after a command finished included). Only the way out of a command's `main` calls
+    this; a caller that redirected sys.stderr keeps its stream."""
+    sys.unraisablehook = lambda unraisable: None
+    threading.excepthook = lambda args: None
+    if sys.stderr is sys.__stderr__:  # file descriptor 2 itself: native threads write there too
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
 
 
 def _exit(signum: int, frame: Any) -> None:

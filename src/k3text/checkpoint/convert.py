@@ -501,6 +501,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--dry-run needs --hf-dir or --model-config")
     if not args.dry_run and (args.hf_dir is None or args.out is None):
         parser.error("--hf-dir and --out are required (or --dry-run)")
+    status = _convert_main(args)
+    files.quiet_from_here()  # the command has said how it ended: nothing may print after it
+    return status
+
+
+def _convert_main(args: argparse.Namespace) -> int:
+    """`main` once its flags are parsed: the exit status, with the one line that explains it."""
     try:  # a signal unwinds like Ctrl-C, so partial output is removed
         with files.unwinding_signals():
             if args.dry_run:

@@ -106,19 +106,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shards", type=_at_least(1), default=2, help="safetensors files")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
+    status = _write_main(args)
+    files.quiet_from_here()  # the command has said how it ended: nothing may print after it
+    return status
+
+
+def _write_main(args: argparse.Namespace) -> int:
+    """`main` once its flags are parsed: the exit status, with the one line that explains it."""
     try:  # a signal unwinds, so the staging directory is removed
         with files.unwinding_signals():
             cfg = load_config(args.model_config)
             layout = write_checkpoint(cfg, args.out, args.layout, args.seed, args.shards,
                                       args.force)
+            with files.uninterrupted():  # the checkpoint is complete: say so whatever arrives
+                print(f"wrote {args.out}: {layout} layout of "
+                      f"{cfg.model_name or args.model_config}")
+            return 0
     except (ValueError, OSError) as e:  # CheckpointError, ConfigError, OutputError included
         print(f"error: {e}", file=sys.stderr)
         return files.exit_status(e)
     except (KeyboardInterrupt, SystemExit) as e:
         print("interrupted; nothing was written", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else (e.code or 1)
-    print(f"wrote {args.out}: {layout} layout of {cfg.model_name or args.model_config}")
-    return 0
 
 
 if __name__ == "__main__":

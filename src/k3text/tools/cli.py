@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,16 +35,21 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
     # force: an imported library may already have given the root logger a handler of its own.
     logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr, force=True)
     logging.getLogger("k3text").setLevel(logging.INFO)
+    status = _run_body(argv, prog, body)
+    files.quiet_from_here()  # the command has said how it ended: nothing may print after it
+    return status
+
+
+def _run_body(argv: list[str], prog: str, body: Callable[[Config], Any]) -> int:
+    """`main` once it has a CONFIG: the exit status, with the one line that explains it."""
     try:
         with files.unwinding_signals(_terminate):
             body(load_config(argv[0], argv[1:]))
     except (ValueError, OSError) as e:  # ConfigError, CheckpointError and OutputError included
         print(f"error: {e}", file=sys.stderr)
-        _quiet_from_here()
         return files.exit_status(e)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
-        _quiet_from_here()
         return 130
     except Exception as e:
         if not _out_of_device_memory(e):
@@ -54,11 +57,9 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
         print(f"error: the programs do not fit in device memory ({str(e).splitlines()[0]}); "
               f"lower per_device_batch_size, max_target_length or prefill_chunk_size "
               f"(python -m k3text.tools.memory CONFIG shows the trade-off)", file=sys.stderr)
-        _quiet_from_here()
         return 2
     except _Terminated:
         print(f"{prog}: terminated", file=sys.stderr)
-        _quiet_from_here()
         return 128 + signal.SIGTERM
     return 0
 
@@ -67,22 +68,6 @@ def _out_of_device_memory(error: BaseException) -> bool:
     """An XLA allocation failure (a compile's or a run's temporaries): the config asks for more
     than the device holds. By name: this module is imported before jax may be."""
     return type(error).__name__ == "JaxRuntimeError" and "RESOURCE_EXHAUSTED" in str(error)
-
-
-def _quiet_from_here() -> None:
-    """The command ends on the error or signal just printed. Work a library left pending
-    (Orbax's other reads after a damaged chunk, an event loop a signal cut short and the
-    collector finalises at exit) fails again in its threads and at exit, with tracebacks that
-    add nothing: from here on the process drops unraisable and thread errors, and, when
-    sys.stderr is the process's own, all further stderr output. Only the way out of a
-    command's `main` calls this; a caller that redirected sys.stderr keeps its stream."""
-    sys.unraisablehook = lambda unraisable: None
-    threading.excepthook = lambda args: None
-    if sys.stderr is sys.__stderr__:  # file descriptor 2 itself: native threads write there too
-        sys.stderr.flush()
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
-        os.close(devnull)
 
 
 class _Terminated(SystemExit):
