@@ -120,6 +120,51 @@ def test_a_follower_goes_on_after_a_call_fails(monkeypatch):
     assert Engine.made == [("new_pool", 3), "release"]
 
 
+def test_a_peer_that_is_gone_stops_both_sides_of_the_broadcast(tiny, monkeypatch):
+    """A collective that fails because another process is gone (a CPU transport error from
+    Gloo, as jax raises it) is a PeersLost on both sides: process 0's engine tells the server
+    once and refuses every later call without broadcasting, and does not broadcast the stop;
+    a follower raises it instead of following on. Any other failure is left as it was."""
+    import pickle
+
+    from jax.errors import JaxRuntimeError
+
+    from k3text.serving import multihost
+
+    gone = JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: [pair.cc:538] Read error "
+                           "[127.0.0.1]:3488: Connection reset by peer")
+    _, engine = tiny
+    sent, lost = [], []
+
+    def broadcast(payload):
+        sent.append(pickle.loads(payload)[0])
+        if sent[-1] == "release":
+            raise gone
+        return payload
+
+    monkeypatch.setattr(multihost, "_broadcast", broadcast)
+    leader = LeaderEngine(engine, on_lost=lost.append)
+    pool = leader.new_pool(2)
+    with pytest.raises(multihost.PeersLost, match="engine call release: another process"):
+        leader.release(pool, [0])
+    with pytest.raises(multihost.PeersLost):
+        leader.new_pool(2)
+    leader.close()
+    assert sent == ["new_pool", "release"] and len(lost) == 1 and lost[0] is leader.lost
+    assert "Connection reset by peer" in str(lost[0])
+
+    def follower_side(error):
+        def failing(_):
+            raise error
+        monkeypatch.setattr(multihost, "_broadcast", failing)
+        return multihost.follow(engine)
+
+    with pytest.raises(multihost.PeersLost, match="waiting for process 0's engine call 1"):
+        follower_side(gone)
+    with pytest.raises(ValueError, match="not a peer"):  # not about peers: as raised
+        follower_side(ValueError("not a peer"))
+
+
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_a_chunk_riding_a_decode_step_equals_separate_calls(tiny, scan_layers):
     """`decode_and_prefill` (one decode step for the pool with a prefill chunk in the same
@@ -1600,6 +1645,57 @@ def test_isolation_on_8_devices(config, shipped):
         assert not [line for line in server.lines if "Traceback" in line]
     finally:
         assert server.stop() == 0, "\n".join(server.lines)
+
+
+@pytest.mark.slow
+def test_a_multi_process_server_stops_at_once_when_a_process_is_lost():
+    """2 processes x 4 CPU devices, and the two ways a job loses one of them. Each side ends
+    within seconds with one line (before, jax.distributed's exit handler waited for the lost
+    process until its heartbeat aborted the survivor, status 134, over a minute later):
+    - process 0 cannot take its port: it exits 2 naming the keys, and the follower does not
+      outlive it (jax's coordination service, gone with process 0, ends it);
+    - the follower is killed while the server is up: process 0 fails the request that finds
+      it gone with a 500 and exits 1, naming what happened."""
+    path = str(ROOT / "configs" / "inference" / "cpu8-local.yml")
+
+    def distributed():
+        return ["jax_distributed_initialize=true", "num_processes=2",
+                f"coordinator_address=localhost:{coordinator_port()}"]
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        job = distributed()
+        follower = Server(path, *SHIPPED, *job, "process_id=1", listens=False)
+        server = Server(path, *SHIPPED, *job, "process_id=0",
+                        f"server_port={taken.getsockname()[1]}", listens=False)
+        try:
+            assert server.proc.wait(60) == 2, "\n".join(server.lines)
+            assert follower.proc.wait(60) != 0, "\n".join(follower.lines)
+            server.stop()
+            assert server.lines[-1].startswith("error: cannot listen on"), server.lines
+        finally:
+            server.stop(signal.SIGKILL)
+            follower.stop(signal.SIGKILL)
+
+    job = distributed()
+    follower = Server(path, *SHIPPED, *job, "process_id=1", listens=False)
+    server = None
+    try:
+        server = Server(path, *SHIPPED, *job, "process_id=0")
+        follower.stop(signal.SIGKILL)
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": "k3-small", "prompt": [1, 5, 6], "max_tokens": 4})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error", r.text
+        assert server.proc.wait(60) == 1, "\n".join(server.lines)
+        server.stop()
+        assert re.match(r"error: multi-process serving stopped at engine call \w+: another "
+                        r"process of this jax.distributed job stopped", server.lines[-1]), \
+            server.lines[-1]
+    finally:
+        if server is not None:
+            server.stop(signal.SIGKILL)
+        follower.stop(signal.SIGKILL)
 
 
 @pytest.mark.slow

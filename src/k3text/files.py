@@ -12,13 +12,14 @@
 - `gc_safe`: a signal handler that never raises inside a garbage-collector callback;
 - `exit_status`: 2 for an error in a command's input, 1 for the machine's;
 - `quiet_from_here`: a command's way out, with nothing a library left pending printed after
-  its last line.
+  its last line; `exit_now`, a way out that skips the exit handlers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import secrets
 import shutil
@@ -29,7 +30,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 
 class OutputError(ValueError):
@@ -120,6 +121,17 @@ def quiet_from_here() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         os.close(devnull)
+
+
+def exit_now(status: int) -> NoReturn:
+    """End the process with `status` once the logs and the standard streams are out, without
+    finalising the interpreter: for a way out on which exit handlers would wait for work that
+    can no longer finish (a compile in another thread; peers that will never reach
+    jax.distributed's shutdown barrier)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _exit(signum: int, frame: Any) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
@@ -40,7 +39,7 @@ from k3text.config import Config, ConfigError  # noqa: E402
 from k3text.inference.engine import Engine  # noqa: E402
 from k3text.serving.api import ServerState, create_app  # noqa: E402
 from k3text.serving.metrics import Metrics  # noqa: E402
-from k3text.serving.multihost import LeaderEngine, follow  # noqa: E402
+from k3text.serving.multihost import LeaderEngine, PeersLost, follow, peers_lost  # noqa: E402
 from k3text.serving.protocol import Protocol  # noqa: E402
 from k3text.serving.scheduler import Scheduler, prefill_rows  # noqa: E402
 from k3text.serving.text import ChatTemplate  # noqa: E402
@@ -94,7 +93,10 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve(cfg: Config) -> None:
     if jax.process_index() > 0:
-        engine, _ = decode.build(cfg)
+        try:
+            engine, _ = decode.build(cfg)
+        except Exception as e:  # process 0 failed to start, most likely: say so in one line
+            raise peers_lost(e, "loading the model") or e from None
         log.info("process %d of %d: following process 0's engine calls", jax.process_index(),
                  jax.process_count())
         with _sigterm_left_to_process_0():
@@ -114,12 +116,16 @@ def serve(cfg: Config) -> None:
     failure: list[BaseException] = []
     leaders: list[LeaderEngine] = []
 
+    def lost(error: PeersLost) -> None:  # from the scheduler's thread or this one
+        failure.append(error)
+        server.should_exit = True
+
     def load() -> None:
         try:
             engine, _ = decode.build(cfg)
             prefill_engine = build_prefill_engine(cfg, engine)
             if jax.process_count() > 1:
-                engine = LeaderEngine(engine)
+                engine = LeaderEngine(engine, on_lost=lost)
                 leaders.append(engine)
             seconds = engine.warm_up(slots, cfg.serve_steps_per_call,
                                      prefill_batch=prefill_rows(cfg),
@@ -131,7 +137,8 @@ def serve(cfg: Config) -> None:
             log.info("ready: model %r, %d slots, compile %.1f s", protocol.model_name, slots,
                      seconds)
         except BaseException as e:  # reported by the main thread, which then exits
-            failure.append(e)
+            if not failure:
+                failure.append(peers_lost(e, "starting up") or e)
             server.should_exit = True
 
     log.info("listening on http://%s:%d (GET /health answers 503 until ready)", host, port)
@@ -141,6 +148,8 @@ def serve(cfg: Config) -> None:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        if failure:  # the loader stopped the server and is on its way out
+            loader.join(timeout=30)
         if loader.is_alive():
             _exit_during_start_up(sys.exc_info()[1])
         try:
@@ -196,14 +205,9 @@ def _exit_during_start_up(error: BaseException | None) -> None:
     process ends here: 0 after SIGTERM, 130 after Ctrl-C, 1 after an error (printed)."""
     if error is None or isinstance(error, KeyboardInterrupt | SystemExit):
         log.info("stopped during start-up")
-        status = 130 if isinstance(error, KeyboardInterrupt) else 0
-    else:
-        print(f"error: the HTTP server failed during start-up: {error!r}", file=sys.stderr)
-        status = 1
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+        files.exit_now(130 if isinstance(error, KeyboardInterrupt) else 0)
+    print(f"error: the HTTP server failed during start-up: {error!r}", file=sys.stderr)
+    files.exit_now(1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,12 +16,19 @@ out, so a broken assumption fails loudly instead of desynchronising the processe
 
 Messages go through `multihost_utils.broadcast_one_to_all` as a length and then the pickled
 bytes, padded to a power of two so a few compiled broadcast programs serve every size.
+
+A process that stops (a crash, a kill, a failed start) breaks the group for good: no
+`jax.distributed` job runs programs again without it. A collective that fails because a peer
+is gone is a `PeersLost`; the process that sees it stops at once with one line saying so (the
+platform restarts the job), rather than serving 503s until the coordination service's
+heartbeat aborts it.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,6 +44,30 @@ DEVICE_CALLS = ("new_pool", "new_prefix", "prefill_chunk", "prefill_slices", "in
                 "restore_prefix", "save_blocks")
 _STOP = "stop"
 _MIN_MESSAGE = 1 << 12
+
+
+# How a collective or the coordination service reports a process that is gone: the CPU
+# collectives' transport (Gloo) and the coordination service's RPCs.
+_PEER_GONE = ("Gloo", "DEADLINE_EXCEEDED", "UNAVAILABLE", "Connection closed by peer",
+              "Connection reset by peer", "coordination service")
+
+
+class PeersLost(ConnectionError):
+    """The processes of a multi-process server can no longer run programs together: another
+    one stopped (its log says why) or cannot be reached."""
+
+
+def peers_lost(error: BaseException, what: str) -> PeersLost | None:
+    """`error` as a PeersLost naming `what` was under way, when it says a peer is gone; None
+    for any other error."""
+    if isinstance(error, PeersLost):
+        return error
+    text = str(error)
+    if type(error).__name__ != "JaxRuntimeError" or not any(m in text for m in _PEER_GONE):
+        return None
+    return PeersLost(f"{what}: another process of this jax.distributed job stopped or cannot "
+                     f"be reached ({text.splitlines()[0] if text else type(error).__name__}); "
+                     f"its log says why")
 
 
 class _Latest:
@@ -75,11 +106,14 @@ def _returned(result: Any) -> list[tuple[str, Any]]:
 
 class LeaderEngine:
     """Process 0's engine: each program-running call is broadcast, then made; everything else
-    (the config, `stop_ids`, ...) is the engine's own."""
+    (the config, `stop_ids`, ...) is the engine's own. Once a call finds a peer gone, every
+    call raises the same PeersLost at once, and `on_lost` is told (the server then stops)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_lost: Callable[[PeersLost], None] = lambda e: None):
         self._engine = engine
         self._latest: dict[str, Any] = {}
+        self._on_lost = on_lost
+        self.lost: PeersLost | None = None
 
     def __getattr__(self, name: str) -> Any:
         if name in DEVICE_CALLS:
@@ -96,10 +130,20 @@ class LeaderEngine:
         return _Latest(kind)
 
     def _call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        if self.lost is not None:
+            raise self.lost
         message = (method, [self._encode(a) for a in args],
                    {k: self._encode(v) for k, v in kwargs.items()})
-        _broadcast(pickle.dumps(message))
-        result = getattr(self._engine, method)(*args, **kwargs)
+        try:
+            _broadcast(pickle.dumps(message))
+            result = getattr(self._engine, method)(*args, **kwargs)
+        except Exception as e:
+            if (lost := peers_lost(e, f"multi-process serving stopped at engine call {method}")
+                    ) is None:
+                raise
+            self.lost = lost
+            self._on_lost(lost)
+            raise lost from e
         self._latest.update(_returned(result))
         return result
 
@@ -115,15 +159,17 @@ class LeaderEngine:
         return pool, prefix, Later.done(tuple(tokens))
 
     def close(self) -> None:
-        """Tell the other processes to return from `follow`."""
-        _broadcast(pickle.dumps((_STOP, [], {})))
+        """Tell the other processes to return from `follow` (unless they are gone)."""
+        if self.lost is None:
+            _broadcast(pickle.dumps((_STOP, [], {})))
 
 
 def follow(engine: Engine) -> int:
     """Make process 0's engine calls on this process's `engine` until it stops; returns the
     number of calls made. A call that fails here failed on process 0 as well (the same program
     on the same inputs): its scheduler fails the requests and starts again from a new pool,
-    a call like any other, so this process logs the failure and follows on."""
+    a call like any other, so this process logs the failure and follows on; a call that fails
+    because process 0 (or another) is gone raises PeersLost."""
     latest: dict[str, Any] = {}
     calls = 0
 
@@ -131,7 +177,13 @@ def follow(engine: Engine) -> int:
         return latest[value.kind] if isinstance(value, _Latest) else value
 
     while True:
-        method, args, kwargs = pickle.loads(_broadcast(None))
+        try:
+            method, args, kwargs = pickle.loads(_broadcast(None))
+        except Exception as e:
+            lost = peers_lost(e, f"waiting for process 0's engine call {calls + 1}")
+            if lost is None:
+                raise
+            raise lost from e
         if method == _STOP:
             log.info("process 0 stopped serving after %d engine calls", calls)
             return calls
@@ -139,7 +191,9 @@ def follow(engine: Engine) -> int:
         try:
             result = getattr(engine, method)(*[decode(a) for a in args],
                                              **{k: decode(v) for k, v in kwargs.items()})
-        except Exception:
+        except Exception as e:
+            if (lost := peers_lost(e, f"following engine call {method}")) is not None:
+                raise lost from e
             log.exception("engine call %s failed; following process 0's recovery", method)
             continue
         latest.update(_returned(result))

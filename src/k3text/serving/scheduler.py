@@ -806,18 +806,21 @@ class Scheduler:
                 a.delete()
         try:
             self._pool = self.engine.new_pool(self.num_slots)
-        except Exception:
+        except Exception as e:
             # Nothing can be served without a pool: the waiting requests end now, and new ones
             # are refused (503) rather than queued for ever.
             self._pool = None
-            log.exception("could not allocate a new slot pool; the server takes no more "
-                          "requests and /health answers 503")
+            if isinstance(e, ConnectionError):  # the devices are out of reach, said once
+                log.error("%s; the server takes no more requests", e)
+            else:
+                log.exception("could not allocate a new slot pool; the server takes no more "
+                              "requests and /health answers 503")
             with self._cv:
                 self._accepting = False
                 waiting = list(self._waiting)
                 self._waiting.clear()
             for r in waiting:
                 self._finish(r, "error", message)
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and self._pool is not None:
             self._reset_prefix_cache()
         self._update_gauges()

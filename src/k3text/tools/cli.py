@@ -37,6 +37,12 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
     logging.getLogger("k3text").setLevel(logging.INFO)
     status = _run_body(argv, prog, body)
     files.quiet_from_here()  # the command has said how it ended: nothing may print after it
+    if status != 0 and _in_distributed_job():
+        # This process failed where its peers may not have (a port taken on process 0, a
+        # peer that died): jax.distributed's exit handler would wait for them at its shutdown
+        # barrier until the coordination service's heartbeat aborts the process (status 134,
+        # heartbeat_timeout_seconds later).
+        files.exit_now(status)
     return status
 
 
@@ -62,6 +68,12 @@ def _run_body(argv: list[str], prog: str, body: Callable[[Config], Any]) -> int:
         print(f"{prog}: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
     return 0
+
+
+def _in_distributed_job() -> bool:
+    """Whether `jax.distributed` was initialised (by name, as below)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and jax.distributed.is_initialized()
 
 
 def _out_of_device_memory(error: BaseException) -> bool:
