@@ -48,7 +48,9 @@ offline loop, TPOT p50 with all slots busy vs the offline per-step time, continu
 batching); writes serve_load.jsonl (line 1 the machine), serve_load.csv and serve_load.png to
 --out (default benchmarks/results/serve_load/). Flags, configs and the output files are checked
 before anything runs: existing results are replaced only with --force. The servers it starts are
-stopped on every way out (an error, Ctrl-C, SIGTERM); an interrupted run writes nothing.
+stopped on every way out (an error, Ctrl-C, SIGTERM). Ctrl-C writes the rows measured so far
+(the Poisson rates and the rounds completed; the header says `"interrupted": true`) and exits
+130; a `--shared-prefix` run, or one interrupted before its first row, writes nothing.
 """
 
 from __future__ import annotations
@@ -578,8 +580,8 @@ def main() -> int:
         with files.unwinding_signals():
             if args.shared_prefix:
                 shared_prefix(args, [*DEFAULT_OVERRIDES, *args.overrides])
-            else:
-                load_test(args)
+            elif load_test(args) == "interrupted":
+                return 130
     except (ValueError, OSError) as e:  # ConfigError and OutputError included
         print(f"error: {e}", file=sys.stderr)
         return files.exit_status(e)
@@ -592,7 +594,9 @@ def main() -> int:
     return 0
 
 
-def load_test(args: argparse.Namespace) -> None:
+def load_test(args: argparse.Namespace) -> str:
+    """Measure, write and print; "interrupted" when Ctrl-C cut it short after a first row (the
+    rows measured are written), else "done"."""
     overrides = [*DEFAULT_OVERRIDES, *args.overrides]
     cfg = load_config(args.config, overrides)
     baseline_overrides = [o for o in args.baseline.split(",") if o]
@@ -613,6 +617,7 @@ def load_test(args: argparse.Namespace) -> None:
     baseline_mode = f"fixed concurrency, baseline {' '.join(baseline_overrides)}"
     rows, rounds = [], []
     server = baseline = None
+    interrupted = False
     try:
         server = ServerProcess(args.config, overrides)
         if baseline_overrides:
@@ -635,33 +640,41 @@ def load_test(args: argparse.Namespace) -> None:
                     base = result
                     base["mode"] = baseline_mode
             static = offline.static()
-            for row in (saturated, steady, static, *([base] if baseline else [])):
-                row["round"] = i + 1
-            rows += [saturated, steady, static, *([base] if baseline else [])]
-            rounds.append(ratios(saturated, steady, static))
+            ceiling = offline.prefill_ceiling(steady)
+            saturated["prefill_ceiling"] = ceiling["ceiling"]
+            steady.update(ceiling)
+            this_round = ratios(saturated, steady, static) | {"ceiling": ceiling["ceiling"]}
             if baseline:
-                rounds[-1] |= {
+                this_round |= {
                     "vs_baseline": saturated["output_tokens_per_s"] / base["output_tokens_per_s"],
                     "tpot_vs_baseline": saturated["tpot_p50_ms"] / base["tpot_p50_ms"],
                     "step_vs_baseline": saturated["server_ms_per_step"]
                     / base["server_ms_per_step"]}
-            ceiling = offline.prefill_ceiling(steady)
-            rounds[-1]["ceiling"] = ceiling["ceiling"]
-            saturated["prefill_ceiling"] = ceiling["ceiling"]
-            steady.update(ceiling)
-            print(f"round {i + 1}: " + ", ".join(f"{k} {v:.2f}x" for k, v in rounds[-1].items()),
+            for row in (saturated, steady, static, *([base] if baseline else [])):
+                row["round"] = i + 1
+            # A round counts once it is whole: Ctrl-C keeps the rounds completed.
+            rows += [saturated, steady, static, *([base] if baseline else [])]
+            rounds.append(this_round)
+            print(f"round {i + 1}: " + ", ".join(f"{k} {v:.2f}x" for k, v in this_round.items()),
                   file=sys.stderr)
+    except KeyboardInterrupt:
+        if not rows:
+            raise
+        interrupted = True
+        print(f"interrupted: writing the {len(rows)} rows measured", file=sys.stderr)
     finally:
         with files.uninterrupted():
             for running in (server, baseline):
                 if running is not None:
                     running.stop()
     m = benchlib.machine(config=args.config, overrides=overrides, slots=slots,
-                         requests=len(requests), rounds=args.rounds, workload=args.workload,
-                         baseline=baseline_overrides)
-    benchlib.write_jsonl(args.out / "serve_load.jsonl", m, rows)
-    benchlib.write_csv(args.out / "serve_load.csv", m, FIELDS, rows)
-    plot(rows, m, args.out / "serve_load.png")
+                         requests=len(requests), rounds=len(rounds), workload=args.workload,
+                         baseline=baseline_overrides, **({"interrupted": True} if interrupted
+                                                         else {}))
+    with files.uninterrupted():  # the measurements are done: all three files, whatever arrives
+        benchlib.write_jsonl(args.out / "serve_load.jsonl", m, rows)
+        benchlib.write_csv(args.out / "serve_load.csv", m, FIELDS, rows)
+        plot(rows, m, args.out / "serve_load.png")
     shown = [[r["mode"], f"{r.get('rate_rps') or r.get('concurrency'):g}",
               str(r.get("round", "-")), str(r["requests"]), f"{r['output_tokens_per_s']:.1f}",
               *(f"{r[k]:.1f}" if r.get(k) is not None else "-"
@@ -670,6 +683,8 @@ def load_test(args: argparse.Namespace) -> None:
     print(benchlib.machine_line(m))
     print(table(["mode", "rate/conc", "round", "requests", "out tok/s", "TTFT p50", "TTFT p99",
                  "TPOT p50", "TPOT p99"], shown))
+    if not rounds:  # interrupted before the first round was complete
+        return "interrupted"
     median = {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]}
     spread = {k: (min(r[k] for r in rounds), max(r[k] for r in rounds)) for k in rounds[0]}
 
@@ -679,7 +694,7 @@ def load_test(args: argparse.Namespace) -> None:
     saturated = [r for r in rows if r["mode"] == "fixed concurrency"]
     share = {k: float(np.median([r[k] for r in saturated]))
              for k in ("decode_share", "prefill_share", "slot_occupancy")}
-    print(f"median of {args.rounds} rounds, {args.workload} workload:")
+    print(f"median of {len(rounds)} rounds, {args.workload} workload:")
     print(f"saturation vs offline steady-state decode: {show('saturation')} (target >= 0.8; "
           f"while at least {slots} requests were outstanding)")
     print(f"  the whole run, its drain included: {show('whole_run')}")
@@ -700,6 +715,7 @@ def load_test(args: argparse.Namespace) -> None:
         print(f"vs the baseline server ({' '.join(baseline_overrides)}) at saturation: tokens/s "
               f"{show('vs_baseline')}, TPOT p50 {show('tpot_vs_baseline')}, decode step "
               f"{show('step_vs_baseline')}")
+    return "interrupted" if interrupted else "done"
 
 
 if __name__ == "__main__":

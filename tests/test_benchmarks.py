@@ -1,9 +1,13 @@
-"""The benchmark sweep machinery on a tiny grid: it runs, and writes the documented files and
-fields. Nothing timed is checked."""
+"""The benchmark sweep machinery on a tiny grid, and the serving load generator on the shipped
+model, small: they run, and write the documented files and fields. Nothing timed is checked."""
 
 import csv
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +125,47 @@ def test_host_device_flag_respects_an_existing_count():
     assert benchlib.with_host_devices("", 8) == f"{flag}=8"
     assert benchlib.with_host_devices("--xla_foo=1", 8) == f"--xla_foo=1 {flag}=8"
     assert benchlib.with_host_devices(f"{flag}=4", 8) == f"{flag}=4"
+
+
+@pytest.mark.slow
+def test_serve_load_prints_the_targets_and_keeps_whole_rounds_on_ctrl_c(tmp_path):
+    """`benchmarks/serve_load.py` end to end, small (8 requests, one Poisson rate, two
+    interleaved rounds of saturation and the offline baselines), with Ctrl-C once the first
+    round is out: the Poisson row and the whole first round are written (nothing of the
+    second), marked interrupted, with the targets' ratios printed for it; it exits 130, and
+    the server it started is gone."""
+    out, log = tmp_path / "out", tmp_path / "stderr.txt"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"),
+             f"compilation_cache_dir={os.environ['K3TEXT_TEST_XLA_CACHE']}", "--requests", "8",
+             "--rates", "8", "--rounds", "2", "--out", str(out)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            deadline = time.monotonic() + 600
+            while "round 1:" not in log.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()
+                time.sleep(0.5)
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            assert children, "no server process"
+            proc.send_signal(signal.SIGINT)
+            stdout, _ = proc.communicate(timeout=180)
+        finally:
+            proc.kill()
+    assert proc.returncode == 130, log.read_text()[-3000:]
+    assert "interrupted: writing the 4 rows measured" in log.read_text()
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
+    head, *rows = [json.loads(line) for line in (out / "serve_load.jsonl").read_text()
+                   .splitlines()]
+    assert head["interrupted"] is True and head["rounds"] == 1 and MACHINE_FIELDS <= set(head)
+    assert [r["mode"] for r in rows] == ["poisson", "fixed concurrency", "offline steady state",
+                                         "offline static batches"]
+    assert [r.get("round") for r in rows[1:]] == [1, 1, 1]
+    assert all(r["output_tokens_per_s"] > 0 for r in rows)
+    table = [line for line in (out / "serve_load.csv").read_text().splitlines()
+             if not line.startswith("#")]
+    assert [r["mode"] for r in csv.DictReader(table)] == [r["mode"] for r in rows]
+    assert (out / "serve_load.png").stat().st_size > 0
+    for target in ("saturation vs offline steady-state decode", "ceiling for this workload",
+                   "TPOT p50, all slots busy", "continuous vs static batching"):
+        assert target in stdout, stdout

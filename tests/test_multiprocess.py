@@ -1,12 +1,17 @@
 """Two processes x 4 CPU devices (jax.distributed on localhost) restore element-distinct
 parameters into their shards and decode exactly what one process decodes, whatever the device
-order of the mesh."""
+order of the mesh; a job that loses a process ends at once. (Serving from two processes:
+tests/test_serving.py::test_two_processes_serve_like_one.)"""
 
 import json
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
 
+import httpx
 import numpy as np
 import pytest
 
@@ -14,7 +19,8 @@ from k3text.checkpoint import load_model, save_model
 from k3text.config import load_config
 from k3text.inference.engine import Engine
 
-from helpers import MODELS, coordinator_port, mesh_context
+from helpers import MODELS, ROOT, coordinator_port, mesh_context
+from serving import SHIPPED, Server
 
 PROMPTS = [[5, 6, 7, 8], list(range(3, 40)), [9]]
 MESH = ["ici_tensor_parallelism=2", "ici_expert_parallelism=4"]
@@ -106,3 +112,54 @@ def test_two_processes_decode_like_one(checkpoint, order):
     # reductions (cross-process psums, the workers' unoptimised build) run in another order.
     np.testing.assert_allclose(np.array(got["logprobs"]), np.array(expected.output_logprobs),
                                atol=1e-3)
+
+
+@pytest.mark.slow
+def test_a_multi_process_server_stops_at_once_when_a_process_is_lost():
+    """2 processes x 4 CPU devices, and the two ways a job loses one of them. Each side ends
+    within seconds with one line (before, jax.distributed's exit handler waited for the lost
+    process until its heartbeat aborted the survivor, status 134, over a minute later):
+    - process 0 cannot take its port: it exits 2 naming the keys, and the follower does not
+      outlive it (jax's coordination service, gone with process 0, ends it);
+    - the follower is killed while the server is up: process 0 fails the request that finds
+      it gone with a 500 and exits 1, naming what happened."""
+    path = str(ROOT / "configs" / "inference" / "cpu8-local.yml")
+
+    def distributed():
+        return ["jax_distributed_initialize=true", "num_processes=2",
+                f"coordinator_address=localhost:{coordinator_port()}"]
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        job = distributed()
+        follower = Server(path, *SHIPPED, *job, "process_id=1", listens=False)
+        server = Server(path, *SHIPPED, *job, "process_id=0",
+                        f"server_port={taken.getsockname()[1]}", listens=False)
+        try:
+            assert server.proc.wait(60) == 2, "\n".join(server.lines)
+            assert follower.proc.wait(60) != 0, "\n".join(follower.lines)
+            server.stop()
+            assert server.lines[-1].startswith("error: cannot listen on"), server.lines
+        finally:
+            server.stop(signal.SIGKILL)
+            follower.stop(signal.SIGKILL)
+
+    job = distributed()
+    follower = Server(path, *SHIPPED, *job, "process_id=1", listens=False)
+    server = None
+    try:
+        server = Server(path, *SHIPPED, *job, "process_id=0")
+        follower.stop(signal.SIGKILL)
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": "k3-small", "prompt": [1, 5, 6], "max_tokens": 4})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error", r.text
+        assert server.proc.wait(60) == 1, "\n".join(server.lines)
+        server.stop()
+        assert re.match(r"error: multi-process serving stopped at engine call \w+: another "
+                        r"process of this jax.distributed job stopped", server.lines[-1]), \
+            server.lines[-1]
+    finally:
+        if server is not None:
+            server.stop(signal.SIGKILL)
+        follower.stop(signal.SIGKILL)

@@ -1648,57 +1648,6 @@ def test_isolation_on_8_devices(config, shipped):
 
 
 @pytest.mark.slow
-def test_a_multi_process_server_stops_at_once_when_a_process_is_lost():
-    """2 processes x 4 CPU devices, and the two ways a job loses one of them. Each side ends
-    within seconds with one line (before, jax.distributed's exit handler waited for the lost
-    process until its heartbeat aborted the survivor, status 134, over a minute later):
-    - process 0 cannot take its port: it exits 2 naming the keys, and the follower does not
-      outlive it (jax's coordination service, gone with process 0, ends it);
-    - the follower is killed while the server is up: process 0 fails the request that finds
-      it gone with a 500 and exits 1, naming what happened."""
-    path = str(ROOT / "configs" / "inference" / "cpu8-local.yml")
-
-    def distributed():
-        return ["jax_distributed_initialize=true", "num_processes=2",
-                f"coordinator_address=localhost:{coordinator_port()}"]
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        job = distributed()
-        follower = Server(path, *SHIPPED, *job, "process_id=1", listens=False)
-        server = Server(path, *SHIPPED, *job, "process_id=0",
-                        f"server_port={taken.getsockname()[1]}", listens=False)
-        try:
-            assert server.proc.wait(60) == 2, "\n".join(server.lines)
-            assert follower.proc.wait(60) != 0, "\n".join(follower.lines)
-            server.stop()
-            assert server.lines[-1].startswith("error: cannot listen on"), server.lines
-        finally:
-            server.stop(signal.SIGKILL)
-            follower.stop(signal.SIGKILL)
-
-    job = distributed()
-    follower = Server(path, *SHIPPED, *job, "process_id=1", listens=False)
-    server = None
-    try:
-        server = Server(path, *SHIPPED, *job, "process_id=0")
-        follower.stop(signal.SIGKILL)
-        r = httpx.post(server.url + "/v1/completions", timeout=60,
-                       json={"model": "k3-small", "prompt": [1, 5, 6], "max_tokens": 4})
-        assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error", r.text
-        assert server.proc.wait(60) == 1, "\n".join(server.lines)
-        server.stop()
-        assert re.match(r"error: multi-process serving stopped at engine call \w+: another "
-                        r"process of this jax.distributed job stopped", server.lines[-1]), \
-            server.lines[-1]
-    finally:
-        if server is not None:
-            server.stop(signal.SIGKILL)
-        follower.stop(signal.SIGKILL)
-
-
-@pytest.mark.slow
 def test_isolation_with_prefill_apart(shipped):
     """`serve_prefill_apart` on the shipped model (decoding on one device, prompts prefilled on
     another, in pairs, ahead of a free slot, the prefix cache's store there too): the concurrent
