@@ -50,7 +50,8 @@ batching); writes serve_load.jsonl (line 1 the machine), serve_load.csv and serv
 before anything runs: existing results are replaced only with --force. The servers it starts are
 stopped on every way out (an error, Ctrl-C, SIGTERM). Ctrl-C writes the rows measured so far
 (the Poisson rates and the rounds completed; the header says `"interrupted": true`) and exits
-130; a `--shared-prefix` run, or one interrupted before its first row, writes nothing.
+130, and so does a `--shared-prefix` run (its rows measured: each workload with the cache off,
+then on); a run interrupted before its first row writes nothing.
 """
 
 from __future__ import annotations
@@ -331,12 +332,14 @@ def hit_rate(before: np.ndarray, after: np.ndarray) -> float | None:
     return hits / queried if queried else None
 
 
-def shared_prefix(args: argparse.Namespace, overrides: list[str]) -> None:
+def shared_prefix(args: argparse.Namespace) -> str:
+    """Measure, write and print; "interrupted" when Ctrl-C cut it short after a first row (the
+    rows measured are written), else "done"."""
     from k3text import decode
     from k3text.serve import model_name
     from k3text.tokenizer import load_tokenizer
 
-    overrides = [*overrides, *PREFIX_OVERRIDES]
+    overrides = [*DEFAULT_OVERRIDES, *args.overrides, *PREFIX_OVERRIDES]
     cfg = load_config(args.config, overrides)
     benchlib.check_outputs([args.out / "prefix_cache.jsonl", args.out / "prefix_cache.csv"],
                            args.force)
@@ -345,28 +348,39 @@ def shared_prefix(args: argparse.Namespace, overrides: list[str]) -> None:
     slots = cfg.global_batch_size
     model = model_name(cfg)
     rows = []
-    for cached in (False, True):
-        server = ServerProcess(args.config, [*overrides, f"enable_prefix_caching={cached}"])
-        try:
-            warm = [{"prompt": [cfg.bos_token_id, 5, 6], "max_tokens": 2}] * slots
-            asyncio.run(closed_loop(server.url, model, warm, slots, slots))
-            start = cache_counts(server.url)
-            shared = asyncio.run(closed_loop(server.url, model, suffixed, slots, slots))
-            middle = cache_counts(server.url)
-            shared.update(workload="2,048-token system prompt + question", prefix_cache=cached,
-                          hit_rate=hit_rate(start, middle))
-            rows.append(shared)
-            talk = asyncio.run(conversations(server.url, model, system, talks))
-            talk.update(workload=f"{len(talks)} conversations x 4 turns", prefix_cache=cached,
-                        hit_rate=hit_rate(middle, cache_counts(server.url)))
-            rows.append(talk)
-        finally:
-            server.stop()
-        print(f"prefix cache {'on' if cached else 'off'}: done", file=sys.stderr)
+    interrupted = False
+    try:
+        for cached in (False, True):
+            server = ServerProcess(args.config, [*overrides, f"enable_prefix_caching={cached}"])
+            try:
+                warm = [{"prompt": [cfg.bos_token_id, 5, 6], "max_tokens": 2}] * slots
+                asyncio.run(closed_loop(server.url, model, warm, slots, slots))
+                start = cache_counts(server.url)
+                shared = asyncio.run(closed_loop(server.url, model, suffixed, slots, slots))
+                middle = cache_counts(server.url)
+                shared.update(workload="2,048-token system prompt + question",
+                              prefix_cache=cached, hit_rate=hit_rate(start, middle))
+                rows.append(shared)
+                talk = asyncio.run(conversations(server.url, model, system, talks))
+                talk.update(workload=f"{len(talks)} conversations x 4 turns",
+                            prefix_cache=cached,
+                            hit_rate=hit_rate(middle, cache_counts(server.url)))
+                rows.append(talk)
+            finally:
+                with files.uninterrupted():
+                    server.stop()
+            print(f"prefix cache {'on' if cached else 'off'}: done", file=sys.stderr)
+    except KeyboardInterrupt:
+        if not rows:
+            raise
+        interrupted = True
+        print(f"interrupted: writing the {len(rows)} rows measured", file=sys.stderr)
     m = benchlib.machine(config=args.config, overrides=overrides, slots=slots,
-                         requests=len(suffixed), conversations=len(talks))
-    benchlib.write_jsonl(args.out / "prefix_cache.jsonl", m, rows)
-    benchlib.write_csv(args.out / "prefix_cache.csv", m, PREFIX_FIELDS, rows)
+                         requests=len(suffixed), conversations=len(talks),
+                         **({"interrupted": True} if interrupted else {}))
+    with files.uninterrupted():  # the measurements are done: both files, whatever arrives
+        benchlib.write_jsonl(args.out / "prefix_cache.jsonl", m, rows)
+        benchlib.write_csv(args.out / "prefix_cache.csv", m, PREFIX_FIELDS, rows)
     print(benchlib.machine_line(m))
     shown = [[r["workload"], "on" if r["prefix_cache"] else "off", str(r["requests"]),
               f"{r['output_tokens_per_s']:.1f}", f"{r['ttft_p50_ms']:.1f}",
@@ -375,11 +389,14 @@ def shared_prefix(args: argparse.Namespace, overrides: list[str]) -> None:
     print(table(["workload", "prefix cache", "requests", "out tok/s", "TTFT p50 ms",
                  "TTFT p90 ms", "hit rate"], shown))
     for i, name in ((0, "2,048-token shared prefix"), (1, "multi-turn")):
+        if i + 2 >= len(rows):  # interrupted before the cache-on run of this workload
+            continue
         off, on = rows[i], rows[i + 2]
         target = " (target >= 3)" if i == 0 else ""
         print(f"{name}: median TTFT {off['ttft_p50_ms']:.1f} -> {on['ttft_p50_ms']:.1f} ms, "
               f"{off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x lower{target}; throughput "
               f"{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}x")
+    return "interrupted" if interrupted else "done"
 
 
 # ---- the offline engine -----------------------------------------------------------------------
@@ -578,9 +595,8 @@ def main() -> int:
         args.config = default_config
     try:  # SIGTERM unwinds like Ctrl-C, so the servers are stopped
         with files.unwinding_signals():
-            if args.shared_prefix:
-                shared_prefix(args, [*DEFAULT_OVERRIDES, *args.overrides])
-            elif load_test(args) == "interrupted":
+            run = shared_prefix if args.shared_prefix else load_test
+            if run(args) == "interrupted":
                 return 130
     except (ValueError, OSError) as e:  # ConfigError and OutputError included
         print(f"error: {e}", file=sys.stderr)

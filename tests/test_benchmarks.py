@@ -127,6 +127,29 @@ def test_host_device_flag_respects_an_existing_count():
     assert benchlib.with_host_devices(f"{flag}=4", 8) == f"{flag}=4"
 
 
+def _serve_load_interrupted(args: list[str], log: Path, marker: str,
+                            ) -> tuple[subprocess.Popen, str, list[str]]:
+    """Run `benchmarks/serve_load.py ARGS` (stderr to `log`) until `marker` appears in its
+    stderr, then Ctrl-C it: (the ended process, its stdout, the pids of its child processes
+    just before the signal)."""
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"),
+             f"compilation_cache_dir={os.environ['K3TEXT_TEST_XLA_CACHE']}", *args],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            deadline = time.monotonic() + 600
+            while marker not in log.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()
+                time.sleep(0.5)
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            proc.send_signal(signal.SIGINT)
+            stdout, _ = proc.communicate(timeout=180)
+        finally:
+            proc.kill()
+    return proc, stdout, children
+
+
 @pytest.mark.slow
 def test_serve_load_prints_the_targets_and_keeps_whole_rounds_on_ctrl_c(tmp_path):
     """`benchmarks/serve_load.py` end to end, small (8 requests, one Poisson rate, two
@@ -135,23 +158,9 @@ def test_serve_load_prints_the_targets_and_keeps_whole_rounds_on_ctrl_c(tmp_path
     second), marked interrupted, with the targets' ratios printed for it; it exits 130, and
     the server it started is gone."""
     out, log = tmp_path / "out", tmp_path / "stderr.txt"
-    with log.open("w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"),
-             f"compilation_cache_dir={os.environ['K3TEXT_TEST_XLA_CACHE']}", "--requests", "8",
-             "--rates", "8", "--rounds", "2", "--out", str(out)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
-        try:
-            deadline = time.monotonic() + 600
-            while "round 1:" not in log.read_text() and time.monotonic() < deadline:
-                assert proc.poll() is None, log.read_text()
-                time.sleep(0.5)
-            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-            assert children, "no server process"
-            proc.send_signal(signal.SIGINT)
-            stdout, _ = proc.communicate(timeout=180)
-        finally:
-            proc.kill()
+    proc, stdout, children = _serve_load_interrupted(
+        ["--requests", "8", "--rates", "8", "--rounds", "2", "--out", str(out)], log, "round 1:")
+    assert children, "no server process"
     assert proc.returncode == 130, log.read_text()[-3000:]
     assert "interrupted: writing the 4 rows measured" in log.read_text()
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
@@ -169,3 +178,23 @@ def test_serve_load_prints_the_targets_and_keeps_whole_rounds_on_ctrl_c(tmp_path
     for target in ("saturation vs offline steady-state decode", "ceiling for this workload",
                    "TPOT p50, all slots busy", "continuous vs static batching"):
         assert target in stdout, stdout
+
+
+@pytest.mark.slow
+def test_serve_load_shared_prefix_keeps_the_cache_off_rows_on_ctrl_c(tmp_path):
+    """`serve_load.py --shared-prefix`, small (4 requests of the 2,048-token system prompt, one
+    conversation), with Ctrl-C once the cache-off server is done: its two rows are written,
+    marked interrupted, no cache-on comparison is printed, it exits 130, and no server is left."""
+    out, log = tmp_path / "out", tmp_path / "stderr.txt"
+    proc, stdout, children = _serve_load_interrupted(
+        ["--shared-prefix", "--requests", "4", "--out", str(out)], log, "prefix cache off: done")
+    assert proc.returncode == 130, log.read_text()[-3000:]
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
+    assert "interrupted: writing the 2 rows measured" in log.read_text()
+    head, *rows = [json.loads(line) for line in (out / "prefix_cache.jsonl").read_text()
+                   .splitlines()]
+    assert head["interrupted"] is True and MACHINE_FIELDS <= set(head)
+    assert [r["prefix_cache"] for r in rows] == [False, False]
+    assert [r["requests"] for r in rows] == [4, 4]  # 4 requests; 1 conversation of 4 turns
+    assert all(r["output_tokens_per_s"] > 0 and r["hit_rate"] is None for r in rows)
+    assert "x lower" not in stdout and "2,048-token system prompt + question" in stdout

@@ -122,7 +122,7 @@ def test_a_multi_process_server_stops_at_once_when_a_process_is_lost():
     - process 0 cannot take its port: it exits 2 naming the keys, and the follower does not
       outlive it (jax's coordination service, gone with process 0, ends it);
     - the follower is killed while the server is up: process 0 fails the request that finds
-      it gone with a 500 and exits 1, naming what happened."""
+      it gone with a 500 whose message says so, and exits 1, naming what happened."""
     path = str(ROOT / "configs" / "inference" / "cpu8-local.yml")
 
     def distributed():
@@ -154,6 +154,8 @@ def test_a_multi_process_server_stops_at_once_when_a_process_is_lost():
         r = httpx.post(server.url + "/v1/completions", timeout=60,
                        json={"model": "k3-small", "prompt": [1, 5, 6], "max_tokens": 4})
         assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error", r.text
+        assert "another process of this jax.distributed job stopped" in \
+            r.json()["error"]["message"], r.text
         assert server.proc.wait(60) == 1, "\n".join(server.lines)
         server.stop()
         assert re.match(r"error: multi-process serving stopped at engine call \w+: another "

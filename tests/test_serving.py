@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import re
 import signal
@@ -433,9 +434,10 @@ class _FailingFetch(_FetchHook):
     """An engine whose `fail_at`-th fetched decode call raises when its tokens are fetched, as
     a device error surfaces (-1: none fails); counts the fetches."""
 
-    def __init__(self, engine, fail_at: int):
+    def __init__(self, engine, fail_at: int, error: Exception | None = None):
         super().__init__(engine)
         self.fail_at, self.fetches = fail_at, 0
+        self.error = error or RuntimeError("injected device failure")
         self.scheduler = None  # when set: `held` says whether the failing call held a request
         self.fired = self.held = False
 
@@ -448,7 +450,7 @@ class _FailingFetch(_FetchHook):
                 self.fired = True
                 self.held = self.scheduler is not None and any(
                     not r.done for r in self.scheduler._holding())
-                raise RuntimeError("injected device failure")
+                raise self.error
             return get()
 
         later.get = fetched
@@ -586,6 +588,55 @@ def test_without_a_new_pool_every_request_ends_and_new_ones_are_refused(tiny):
             scheduler.submit(Request([5], SamplingParams(max_tokens=2), sink(0)))
     finally:
         scheduler.stop()
+
+
+def test_a_lost_process_is_named_to_every_request_it_ends(tiny, caplog):
+    """A call that finds another process of the job gone (`multihost.PeersLost`, a
+    ConnectionError) fails its requests with that reason, not a generic internal error, and the
+    log says it in lines without a traceback; with no new pool to be had, the waiting requests
+    end too."""
+    from k3text.serving.multihost import PeersLost
+    from k3text.serving.scheduler import Finished, Request, Scheduler
+
+    cfg, engine = tiny
+    cfg = cfg.replace(per_device_batch_size=2, serve_steps_per_call=2)
+    lost = PeersLost("engine call generate: another process of this jax.distributed job "
+                     "stopped or cannot be reached (Gloo); its log says why")
+
+    class LostPeer(_FailingFetch):
+        def new_pool(self, slots):
+            if self.fired:
+                raise lost
+            return self._engine.new_pool(slots)
+
+    scheduler = Scheduler(cfg, LostPeer(engine, fail_at=1, error=lost), None)
+    ends = [threading.Event() for _ in range(4)]
+    errors = [None] * 4
+
+    def sink(i):
+        def receive(event):
+            if isinstance(event, Finished):
+                errors[i] = event.error if event.reason == "error" else event.reason
+                ends[i].set()
+        return receive
+
+    scheduler.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="k3text.serve"), scheduler._cv:
+            for i in range(4):
+                scheduler.submit(Request([5 + i, 6, 7], SamplingParams(max_tokens=20,
+                                                                      temperature=0.0), sink(i)))
+        for i, end in enumerate(ends):
+            assert end.wait(120), f"request {i} never ended"
+    finally:
+        scheduler.stop()
+    failed = [e for e in errors if e and "another process" in e]
+    assert failed and all(e == f"decode call failed: {lost}" for e in failed), errors
+    assert all(e == "internal error: the scheduler stopped" or e in failed for e in errors), \
+        errors
+    records = [r for r in caplog.records if r.name == "k3text.serve"]
+    assert records and all(r.exc_info is None for r in records), caplog.text
+    assert any(str(lost) in r.getMessage() for r in records)
 
 
 def test_non_finite_logits_fail_their_own_request_alone(tiny, monkeypatch, caplog):

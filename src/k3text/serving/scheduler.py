@@ -58,6 +58,18 @@ from k3text.tokenizer import Tokenizer
 log = logging.getLogger("k3text.serve")
 
 
+def _failure(error: Exception, call: str, during: str) -> str:
+    """Log a failed engine call and return what its requests are told. Devices or processes
+    out of reach (a ConnectionError, e.g. `multihost.PeersLost`) are named in one line, the
+    same words the client gets; anything else is an internal error, logged with its
+    traceback."""
+    if isinstance(error, ConnectionError):
+        log.error("%s failed: %s", call, error)
+        return f"{call} failed: {error}"
+    log.error("%s failed", call, exc_info=error)
+    return f"internal error {during}"
+
+
 def prefill_rows(cfg: Config) -> int:
     """The rows of the scheduler's prefill program, the most prompts one group takes:
     `serve_prefill_batch`, capped at the slot count and rounded up to a multiple of the batch
@@ -276,9 +288,8 @@ class Scheduler:
                     self._cancel_everything()
             try:
                 self.iterate()
-            except Exception:  # never let one iteration end the server
-                log.exception("scheduler iteration failed")
-                self._fail_all("internal error in the scheduler")
+            except Exception as e:  # never let one iteration end the server
+                self._fail_all(_failure(e, "scheduler iteration", "in the scheduler"))
 
     def _cancel_everything(self) -> None:  # under _cv, on the scheduler thread
         for r in [*self._waiting, *self._holding(),
@@ -403,14 +414,14 @@ class Scheduler:
                 else:
                     job.prefix = self.prefiller.prefill_chunk(job.prefix, job.tokens[:, part],
                                                               job.valid[:, part], job.start)
-            except Exception:
-                log.exception("prefill failed")
+            except Exception as e:
+                message = _failure(e, "prefill", "during prefill")
                 self._prefill = None
                 for i in range(len(job.rows)):
                     self._end_chain(job, i)
                 for r in job.live:
                     self._free_slot(r.slot, on_device=False)
-                    self._finish(r, "error", "internal error during prefill")
+                    self._finish(r, "error", message)
                 continue
             spent += cost
             job.start += width
@@ -469,11 +480,11 @@ class Scheduler:
             try:
                 job.prefix, job.start, job.chains = self.prefix_cache.begin(
                     prefix, [r.prompt_ids if r else None for r in rows])
-            except Exception:  # the prefix was consumed: these requests cannot go on
-                log.exception("prefix-cache restore failed")
+            except Exception as e:  # the prefix was consumed: these requests cannot go on
+                message = _failure(e, "prefix-cache restore", "restoring a cached prefix")
                 for r in job.live:
                     self._free_slot(r.slot, on_device=False)
-                    self._finish(r, "error", "internal error restoring a cached prefix")
+                    self._finish(r, "error", message)
                 self._reset_prefix_cache()
                 return None
         return job
@@ -534,9 +545,8 @@ class Scheduler:
         try:
             self._pool, first = self.engine.insert(self._pool, prefix,
                                                    *self._insert_args(job, ready), self.top_n)
-        except Exception:
-            log.exception("insert failed")
-            self._fail_all("internal error while inserting a request")
+        except Exception as e:
+            self._fail_all(_failure(e, "insert", "while inserting a request"))
             return
         self._inserted(job, ready, first)
 
@@ -590,9 +600,8 @@ class Scheduler:
         try:
             self._pool, tokens = self.engine.dispatch_generate(
                 self._pool, self.cfg.serve_steps_per_call, self.top_n)
-        except Exception:
-            log.exception("decode call failed")
-            self._fail_all("internal error during decoding")
+        except Exception as e:
+            self._fail_all(_failure(e, "decode call", "during decoding"))
             return 0
         self._dispatched(_InFlight(tokens, owners, dispatch_seconds=time.perf_counter() - began))
         return 0
@@ -613,9 +622,8 @@ class Scheduler:
             self._pool, job.prefix, tokens = self.engine.dispatch_decode_and_prefill(
                 self._pool, job.prefix, job.tokens[:, part], job.valid[:, part], job.start,
                 *self._insert_args(job, ready), self.top_n, self.cfg.serve_steps_per_call)
-        except Exception:  # the pool and the prefix were donated to the call
-            log.exception("decode call with a prefill chunk failed")
-            self._fail_all("internal error during decoding")
+        except Exception as e:  # the pool and the prefix were donated to the call
+            self._fail_all(_failure(e, "decode call with a prefill chunk", "during decoding"))
             return 0
         call = _InFlight(tokens, owners, job, dispatch_seconds=time.perf_counter() - began)
         job.start += width
@@ -664,9 +672,9 @@ class Scheduler:
         began = time.perf_counter()
         try:
             result = call.tokens.get()
-        except Exception:  # the pool was donated to the call
-            log.exception("decode call failed")
-            self._fail_all("internal error during decoding", [r for _, r in call.inserted])
+        except Exception as e:  # the pool was donated to the call
+            self._fail_all(_failure(e, "decode call", "during decoding"),
+                           [r for _, r in call.inserted])
             return
         # A call with a chunk riding along does both kinds of work: its time counts as
         # decoding (the prefill counter keeps the separate prefill calls). With overlap, only
@@ -758,9 +766,8 @@ class Scheduler:
             slots, self._to_release = self._to_release, []
             try:
                 self._pool = self.engine.release(self._pool, slots)
-            except Exception:
-                log.exception("release failed")
-                self._fail_all("internal error while freeing slots")
+            except Exception as e:
+                self._fail_all(_failure(e, "release", "while freeing slots"))
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         if r.done:
