@@ -79,10 +79,10 @@ import torch
 from flax import nnx
 from transformers import StoppingCriteriaList
 
-from k3text import decode, sharding
+from k3text import sharding
 from k3text.config import CONFIG_DIR, Config, load_config
 from k3text.inference import sampling
-from k3text.inference.engine import Engine, place_model
+from k3text.inference.engine import Engine, build_engine, place_model
 from k3text.layers import moe
 from k3text.ops import kda
 from k3text.ops.kda.chunked import PAIRWISE_LEAF, PRODUCT_LEAF
@@ -467,7 +467,7 @@ def step_loop(engine: Engine, prompt: list[int], sync: bool) -> tuple[float, lis
 def loop_section(quick: bool) -> list[Row]:
     steps, repeats = (16, 3) if quick else (64, 5)
     cfg = load_config(K3_TINY, [], max_decode_steps=steps, ignore_eos=True)
-    engine, _ = decode.build(cfg)
+    engine, _ = build_engine(cfg)
     prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, 16).tolist()
     # One warm-up call of a step loop compiles both Engine.step variants (the first step takes
     # the sampled prefill tokens, later ones the step's own outputs).
@@ -548,7 +548,7 @@ def ttft_engines(model: str) -> dict[str, Any]:
         implementation = "recurrent" if name == "recurrent" else "chunked"
         cfg = load_config(base[0], base[1:] + [f"kda_implementation={implementation}"],
                           **lengths)
-        engines[name] = decode.build(cfg)[0]
+        engines[name] = build_engine(cfg)[0]
     return engines
 
 
@@ -622,7 +622,7 @@ def mxfp4_section(quick: bool) -> list[Row]:
         cfg = load_config(K3_TINY, [], num_experts=experts, expert_weight_format=fmt,
                           moe_dense_threshold=threshold, max_decode_steps=steps,
                           ignore_eos=True)
-        engines[case] = decode.build(cfg)[0]
+        engines[case] = build_engine(cfg)[0]
     prompt = [np.random.default_rng(0).integers(3, engines[cases[0]].cfg.vocab_size,
                                                 8).tolist()]
     out = interleaved({case: lambda e=engine: e.decode_batch(prompt)

@@ -38,7 +38,8 @@ import jax
 
 from k3text import decode, sharding
 from k3text.config import CONFIG_DIR, load_config
-from k3text.tokenizer import load_tokenizer
+from k3text.inference.engine import build_engine
+from k3text.tokenizer import load_tokenizer, tokenizer_file
 from k3text.tools import collectives, compile_check
 from k3text.tools.tables import table
 
@@ -58,9 +59,9 @@ def decode_step_report(cfg: Any, ctx: sharding.MeshContext, layout: str,
 
 def measure(config: str, repeats: int) -> list[dict[str, Any]]:
     cfg = load_config(CONFIG_DIR / "inference" / config)
-    tokenizer = load_tokenizer(cfg.tokenizer_type, decode.tokenizer_path(cfg))
+    tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_file(cfg))
     prompts = [list(r.prompt_ids) for r in decode.collect_requests(cfg, tokenizer)]
-    engines = {layout: decode.build(cfg) for layout in LAYOUTS}
+    engines = {layout: build_engine(cfg) for layout in LAYOUTS}
 
     def run(layout: str):
         engine, _ = engines[layout]

@@ -335,15 +335,14 @@ def hit_rate(before: np.ndarray, after: np.ndarray) -> float | None:
 def shared_prefix(args: argparse.Namespace) -> str:
     """Measure, write and print; "interrupted" when Ctrl-C cut it short after a first row (the
     rows measured are written), else "done"."""
-    from k3text import decode
     from k3text.serve import model_name
-    from k3text.tokenizer import load_tokenizer
+    from k3text.tokenizer import load_tokenizer, tokenizer_file
 
     overrides = [*DEFAULT_OVERRIDES, *args.overrides, *PREFIX_OVERRIDES]
     cfg = load_config(args.config, overrides)
     benchlib.check_outputs([args.out / "prefix_cache.jsonl", args.out / "prefix_cache.csv"],
                            args.force)
-    tokenizer = load_tokenizer(cfg.tokenizer_type, decode.tokenizer_path(cfg))
+    tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_file(cfg))
     system, suffixed, talks = shared_prefix_workloads(cfg, tokenizer, args.requests, args.seed)
     slots = cfg.global_batch_size
     model = model_name(cfg)
@@ -408,11 +407,11 @@ class Offline:
     while the server idles between load runs, so a ratio compares runs seconds apart."""
 
     def __init__(self, config: str, overrides: list[str], requests: list[dict]):
-        from k3text import decode
+        from k3text.inference.engine import build_engine, enable_compilation_cache
 
         cfg = load_config(config, [*overrides, "ignore_eos=true"])
-        decode.enable_compilation_cache(cfg)
-        self.engine, _ = decode.build(cfg)
+        enable_compilation_cache(cfg)
+        self.engine, _ = build_engine(cfg)
         self.requests = requests
         self.slots = cfg.global_batch_size
         self.steps = max(r["max_tokens"] for r in requests)
@@ -620,11 +619,10 @@ def load_test(args: argparse.Namespace) -> str:
         load_config(args.config, [*overrides, *baseline_overrides])
     benchlib.check_outputs([args.out / f"serve_load.{ext}" for ext in ("jsonl", "csv", "png")],
                            args.force)
-    from k3text import decode
     from k3text.serve import model_name
-    from k3text.tokenizer import load_tokenizer
+    from k3text.tokenizer import load_tokenizer, tokenizer_file
 
-    tokenizer = load_tokenizer(cfg.tokenizer_type, decode.tokenizer_path(cfg))
+    tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_file(cfg))
     requests = workload(cfg, tokenizer, args.requests, args.seed, args.workload)
     slots = cfg.global_batch_size
     concurrency = args.concurrency or 2 * slots

@@ -74,10 +74,10 @@ import yaml
 from flax import nnx
 from tqdm import tqdm
 
-from k3text import decode, files, sharding
+from k3text import files, sharding
 from k3text.config import MESH_AXES, MODEL_KEYS, Config, ConfigError, load_config
 from k3text.inference import sampling
-from k3text.inference.engine import Engine
+from k3text.inference.engine import Engine, build_engine, enable_compilation_cache
 from k3text.layers import moe, moe_dispatch
 from k3text.layers.initializers import Init
 from k3text.models.decoder import Decoder
@@ -351,13 +351,13 @@ class Weights:
 
 
 def engine_for(cfg: Config, weights: Weights | None) -> tuple[Engine, Weights]:
-    """`decode.build(cfg)`, or an Engine over `weights` when they fit `cfg`. The model is
+    """`build_engine(cfg)`, or an Engine over `weights` when they fit `cfg`. The model is
     rebuilt from `cfg` (shapes only) so every module sees this config's inference keys."""
     key = tuple(repr(cfg[k]) for k in WEIGHT_KEYS)
     if weights is not None and weights.key == key:
         graphdef = nnx.graphdef(Decoder(cfg, Init(abstract=True)))
         return Engine(cfg, nnx.merge(graphdef, weights.params), weights.ctx), weights
-    engine, ctx = decode.build(cfg)
+    engine, ctx = build_engine(cfg)
     return engine, Weights(key, engine.params, ctx)
 
 
@@ -370,7 +370,7 @@ def run_sweep(sweep: Sweep, overrides: Sequence[str] = (),
     rows = [] if rows is None else rows
     bar = tqdm(total=len(configs) * len(sweep.prompt_lengths), desc=sweep.name, unit="point",
                file=sys.stderr, disable=jax.process_index() != 0)
-    decode.enable_compilation_cache(configs[0][1])
+    enable_compilation_cache(configs[0][1])
     weights = None
     for point, cfg in configs:
         label = " ".join(f"{k}={v}" for k, v in point.items())

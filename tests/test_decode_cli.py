@@ -88,7 +88,7 @@ def test_ids_separate_by_commas_or_spaces():
 def test_prompts_are_checked_before_any_weight_loads(config, tmp_path, capsys, monkeypatch):
     from k3text import decode
 
-    monkeypatch.setattr(decode, "build", lambda cfg: pytest.fail("the weights were loaded"))
+    monkeypatch.setattr(decode, "build_engine", lambda cfg: pytest.fail("the weights were loaded"))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2]}\n\n{"prompt_ids": [1, 999]}\n')
     assert main([config, f"prompts_file={prompts}"]) == 2
@@ -134,10 +134,10 @@ def test_each_prompt_samples_with_its_own_seed_whatever_its_batch(config, tmp_pa
 
 def test_tokenizer_defaults_to_the_one_shipped_with_the_checkpoint(tmp_path):
     from k3text.config import load_config
-    from k3text.decode import tokenizer_path
+    from k3text.tokenizer import tokenizer_file
 
     (tmp_path / "tiktoken.model").write_text("")
     cfg = load_config(MODELS / "k3-tiny.yml", [f"load_parameters_path={tmp_path}",
                                                 "tokenizer_type=tiktoken"])
-    assert tokenizer_path(cfg) == str(tmp_path / "tiktoken.model")
-    assert tokenizer_path(cfg.replace(tokenizer_path="x.model")) == "x.model"
+    assert tokenizer_file(cfg) == str(tmp_path / "tiktoken.model")
+    assert tokenizer_file(cfg.replace(tokenizer_path="x.model")) == "x.model"

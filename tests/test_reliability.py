@@ -20,6 +20,7 @@ from flax import nnx
 from k3text import decode, files, sharding, train
 from k3text.checkpoint import convert, store, synthetic
 from k3text.config import CONFIG_DIR, ConfigError, load_config
+from k3text.inference.engine import build_engine
 from k3text.layers.initializers import Init
 from k3text.models.decoder import Decoder
 from k3text.tools import cli, compile_check, memory, params, roofline
@@ -38,7 +39,7 @@ def test_decode_refuses_an_unwritable_output_before_loading_anything(tmp_path, c
                                                                      message, monkeypatch):
     (tmp_path / "file.txt").write_text("x")
     built = []
-    monkeypatch.setattr(decode, "build", lambda cfg: built.append(cfg))
+    monkeypatch.setattr(decode, "build_engine", lambda cfg: built.append(cfg))
     rc = decode.main([CPU, f"output_file={target.format(tmp=tmp_path)}", "progress=false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and not built
@@ -94,13 +95,13 @@ def test_results_never_replace_a_file_that_appeared_meanwhile(tmp_path, capsys, 
     """output_file is checked before any work; a file someone else wrote there while the decode
     ran is kept, and the results go beside it, named."""
     out = tmp_path / "out.jsonl"
-    build = decode.build
+    build = decode.build_engine
 
     def building_meanwhile(cfg):
         out.write_text("someone else's\n")
         return build(cfg)
 
-    monkeypatch.setattr(decode, "build", building_meanwhile)
+    monkeypatch.setattr(decode, "build_engine", building_meanwhile)
     assert decode.main([CPU, f"output_file={out}", "progress=false", "builtin_prompts=false",
                         "prompt_ids=5,6", "max_decode_steps=2", "per_device_batch_size=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -376,6 +377,26 @@ def test_invalid_values_are_one_line_errors(capsys, override, message):
     assert err[-1].startswith("error: ") and message in err[-1], err[-1]
 
 
+def test_distributed_keys_left_unset_are_read_from_the_environment(monkeypatch):
+    """With a coordinator address, `num_processes` 0 and `process_id` -1 reach
+    `jax.distributed.initialize` as None (its "detect from the environment"), not as values it
+    rejects; a process index past the job's size is a config error."""
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    job = ["jax_distributed_initialize=true", "coordinator_address=10.0.0.1:1234",
+           "jax_cpu_collectives=none"]
+    for keys, expected in (([], (None, None)), (["num_processes=4"], (4, None)),
+                           (["num_processes=4", "process_id=3"], (4, 3))):
+        sharding.maybe_initialize_distributed(load_config(CPU, [*job, *keys]))
+        assert (calls[-1]["num_processes"], calls[-1]["process_id"]) == expected
+        assert calls[-1]["coordinator_address"] == "10.0.0.1:1234"
+    sharding.maybe_initialize_distributed(load_config(CPU, job[:1] + job[2:]))
+    assert calls[-1] == {}
+    with pytest.raises(ConfigError, match=r"'process_id' \(4\) must be below num_processes "
+                                          r"\(4\)"):
+        load_config(CPU, ["num_processes=4", "process_id=4"])
+
+
 @pytest.mark.parametrize("override,message", [
     ("num_expert_group=0", "'num_expert_group' must be positive, got 0"),
     ("q_lora_rank=-4", "'q_lora_rank' must be >= 0"),
@@ -419,7 +440,7 @@ def test_memory_tool_refuses_meaningless_sizes(capsys, args, message):
 def test_warm_up_compiles_what_generate_runs(capsys):
     """The decode summary reports compile time on its own line: `Engine.warm_up` compiles the
     programs and `generate` then compiles nothing, so its timings are the real speed."""
-    engine, _ = decode.build(load_config(CPU))
+    engine, _ = build_engine(load_config(CPU))
     traced = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, seconds, **kwargs: traced.append(name))
@@ -463,7 +484,7 @@ def test_random_weights_are_said_loudly(tmp_path, capsys, caplog):
     config = tmp_path / "empty.yml"
     config.write_text("")
     with caplog.at_level("WARNING", logger="k3text"):
-        decode.build(load_config(config))
+        build_engine(load_config(config))
     assert "decoding RANDOM weights" in caplog.text
 
 

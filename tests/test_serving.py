@@ -698,7 +698,7 @@ def test_non_finite_logits_fail_their_own_request_alone(tiny, monkeypatch, caplo
         else:
             assert result["ids"] == want["ids"] and result["end"] == ("length", None), i
     assert 2 <= failing < len(prompts)
-    monkeypatch.setattr(decode, "build", lambda cfg: (broken, broken.ctx))
+    monkeypatch.setattr(decode, "build_engine", lambda cfg: (broken, broken.ctx))
     with caplog.at_level("WARNING", "k3text.decode"):
         decode.run(cfg.replace(prompt_ids=",".join(map(str, prompts[1])), progress=False))
     assert "1 of 1 sequences hold tokens sampled from non-finite logits" in caplog.text

@@ -269,9 +269,6 @@ class Config(_Section):
     def __getitem__(self, key: str) -> Any:
         return self._values[key]
 
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self._values)
-
     def model_dict(self) -> dict[str, Any]:
         """The model keys as a nested YAML-ready mapping (what a checkpoint stores)."""
         nested: dict[str, Any] = {}
@@ -455,6 +452,9 @@ def _validate(cfg: Config) -> None:
         _require(cfg[key] > 0, f"config key '{key}' must be positive, got {cfg[key]}")
     _require(cfg.process_id >= -1, f"config key 'process_id' must be >= 0, or -1 (from the "
                                    f"environment), got {cfg.process_id}")
+    _require(not cfg.num_processes or cfg.process_id < cfg.num_processes,
+             f"config key 'process_id' ({cfg.process_id}) must be below num_processes "
+             f"({cfg.num_processes})")
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         _require(0 <= cfg[key] < cfg.vocab_size,
                  f"config key '{key}' must be a token id in [0, vocab_size={cfg.vocab_size}), "

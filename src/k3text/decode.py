@@ -16,7 +16,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,11 +32,14 @@ from tqdm import tqdm  # noqa: E402
 
 from k3text import files, sharding  # noqa: E402
 from k3text.config import Config, ConfigError  # noqa: E402
-from k3text.inference.engine import Engine, Generation, check_prompts, place_model  # noqa: E402
+from k3text.inference.engine import (  # noqa: E402
+    Generation,
+    build_engine,
+    check_prompts,
+    enable_compilation_cache,
+)
 from k3text.inference.prefix_cache import PrefixCache  # noqa: E402
-from k3text.layers.initializers import Init  # noqa: E402
-from k3text.models.decoder import Decoder  # noqa: E402
-from k3text.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+from k3text.tokenizer import Tokenizer, load_tokenizer, tokenizer_file  # noqa: E402
 from k3text.tools import cli  # noqa: E402
 
 log = logging.getLogger("k3text.decode")
@@ -257,41 +259,6 @@ def summary(gens: list[Generation], prompts: int) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def enable_compilation_cache(cfg: Config) -> None:
-    """Reuse compiled programs across runs: the second run of a command skips XLA compiles.
-    A cache the embedding program already configured is left in place."""
-    if cfg.compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir",
-                          os.path.expanduser(cfg.compilation_cache_dir))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-def build(cfg: Config) -> tuple[Engine, sharding.MeshContext]:
-    """Mesh, parameters in their shardings, and the engine."""
-    mesh = sharding.make_mesh(cfg)
-    ctx = sharding.MeshContext(mesh, cfg.logical_axis_rules)
-    if cfg.load_parameters_path:
-        from k3text.checkpoint import load_model
-
-        model = load_model(cfg, ctx, cfg.load_parameters_path)
-    else:
-        log.warning("no load_parameters_path: decoding RANDOM weights (init_seed=%d); the "
-                    "outputs are noise. Set load_parameters_path to a checkpoint.",
-                    cfg.init_seed)
-        model = place_model(Decoder(cfg, Init(cfg.init_seed)), ctx)
-    return Engine(cfg, model, ctx), ctx
-
-
-def tokenizer_path(cfg: Config) -> str | None:
-    """The configured tokenizer file, else the one a converted checkpoint ships with."""
-    if cfg.tokenizer_path:
-        return cfg.tokenizer_path
-    shipped = Path(cfg.load_parameters_path or ".") / "tiktoken.model"
-    if cfg.tokenizer_type == "tiktoken" and cfg.load_parameters_path and shipped.is_file():
-        return str(shipped)
-    return None
-
-
 def check_output_file(cfg: Config) -> None:
     """Before any work: `output_file` can be written, replaces an existing file only with
     `output_overwrite`, and is never the prompts file it would replace with results."""
@@ -307,12 +274,12 @@ def check_output_file(cfg: Config) -> None:
 def run(cfg: Config) -> list[dict[str, Any]]:
     if cfg.output_file and jax.process_index() == 0:  # before any work, not after all of it
         check_output_file(cfg)
-    tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_path(cfg))
+    tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_file(cfg))
     requests = collect_requests(cfg, tokenizer)
     # Before the weights load (for K3, a long restore): the config alone decides.
     check_prompts(cfg, [r.prompt_ids for r in requests], cfg.max_decode_steps,
                   [r.where for r in requests])
-    engine, ctx = build(cfg)
+    engine, ctx = build_engine(cfg)
     batch = cfg.global_batch_size
     groups = [[r.prompt_ids for r in group] for group in batches(requests, batch)]
     # A group holding a context-parallel prompt, and every group with a prefix cache, is

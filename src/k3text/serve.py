@@ -34,16 +34,20 @@ if __name__ == "__main__":  # before jax starts, so CPU runs of multi-device con
 import jax  # noqa: E402
 import uvicorn  # noqa: E402
 
-from k3text import decode, files, sharding  # noqa: E402
+from k3text import files, sharding  # noqa: E402
 from k3text.config import Config, ConfigError  # noqa: E402
-from k3text.inference.engine import Engine  # noqa: E402
+from k3text.inference.engine import (  # noqa: E402
+    Engine,
+    build_engine,
+    enable_compilation_cache,
+)
 from k3text.serving.api import ServerState, create_app  # noqa: E402
 from k3text.serving.metrics import Metrics  # noqa: E402
 from k3text.serving.multihost import LeaderEngine, PeersLost, follow, peers_lost  # noqa: E402
 from k3text.serving.protocol import Protocol  # noqa: E402
 from k3text.serving.scheduler import Scheduler, prefill_rows  # noqa: E402
 from k3text.serving.text import ChatTemplate  # noqa: E402
-from k3text.tokenizer import load_tokenizer  # noqa: E402
+from k3text.tokenizer import load_tokenizer, tokenizer_file  # noqa: E402
 from k3text.tools import cli  # noqa: E402
 
 log = logging.getLogger("k3text.serve")
@@ -94,7 +98,7 @@ def _listen(host: str, port: int) -> socket.socket:
 def serve(cfg: Config) -> None:
     if jax.process_index() > 0:
         try:
-            engine, _ = decode.build(cfg)
+            engine, _ = build_engine(cfg)
         except Exception as e:  # process 0 failed to start, most likely: say so in one line
             raise peers_lost(e, "loading the model") or e from None
         log.info("process %d of %d: following process 0's engine calls", jax.process_index(),
@@ -102,10 +106,10 @@ def serve(cfg: Config) -> None:
         with _sigterm_left_to_process_0():
             follow(engine)
         return
-    tokenizer = load_tokenizer(cfg.tokenizer_type, decode.tokenizer_path(cfg))
+    tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_file(cfg))
     slots = cfg.global_batch_size
     metrics = Metrics(slots)
-    protocol = Protocol(cfg, tokenizer, model_name(cfg), ChatTemplate(decode.tokenizer_path(cfg)))
+    protocol = Protocol(cfg, tokenizer, model_name(cfg), ChatTemplate(tokenizer_file(cfg)))
     state = ServerState(protocol, metrics, cfg.max_target_length)
     sock = _listen(cfg.server_host, cfg.server_port)
     host, port = sock.getsockname()[:2]
@@ -122,7 +126,7 @@ def serve(cfg: Config) -> None:
 
     def load() -> None:
         try:
-            engine, _ = decode.build(cfg)
+            engine, _ = build_engine(cfg)
             prefill_engine = build_prefill_engine(cfg, engine)
             if jax.process_count() > 1:
                 engine = LeaderEngine(engine, on_lost=lost)
@@ -212,7 +216,7 @@ def _exit_during_start_up(error: BaseException | None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     def body(cfg: Config) -> None:
-        decode.enable_compilation_cache(cfg)
+        enable_compilation_cache(cfg)
         sharding.maybe_initialize_distributed(cfg)
         serve(cfg)
 

@@ -108,9 +108,10 @@ def maybe_initialize_distributed(cfg: Config) -> None:
     if cfg.jax_cpu_collectives != "none":
         jax.config.update("jax_cpu_collectives_implementation", cfg.jax_cpu_collectives)
     kwargs: dict[str, Any] = {}
-    if cfg.coordinator_address:
+    if cfg.coordinator_address:  # what is left unset (0 / -1), jax reads from the environment
         kwargs = dict(coordinator_address=cfg.coordinator_address,
-                      num_processes=cfg.num_processes, process_id=cfg.process_id)
+                      num_processes=cfg.num_processes or None,
+                      process_id=None if cfg.process_id < 0 else cfg.process_id)
     jax.distributed.initialize(**kwargs)
     log.info("jax.distributed: process %d of %d, %d local / %d global devices",
              jax.process_index(), jax.process_count(), jax.local_device_count(),

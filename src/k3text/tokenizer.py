@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 import regex
 import tiktoken
 
+from k3text.config import Config
 from k3text.files import write_atomically
 
 # Kimi K2's pre-tokenisation regex (tokenization_kimi.py). `&&` intersects character classes:
@@ -353,3 +354,14 @@ def load_tokenizer(
         f"unknown tokenizer_type {tokenizer_type!r}; expected one of "
         + ", ".join(repr(t) for t in TOKENIZER_TYPES)
     )
+
+
+def tokenizer_file(cfg: Config) -> str | None:
+    """The configured tokenizer file (`tokenizer_path`), else the one a converted checkpoint
+    ships with."""
+    if cfg.tokenizer_path:
+        return cfg.tokenizer_path
+    shipped = Path(cfg.load_parameters_path or ".") / "tiktoken.model"
+    if cfg.tokenizer_type == "tiktoken" and cfg.load_parameters_path and shipped.is_file():
+        return str(shipped)
+    return None

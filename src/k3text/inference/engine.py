@@ -35,6 +35,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -50,6 +51,7 @@ from k3text.config import Config, ConfigError
 from k3text.inference import prefix_cache, sampling, weights
 from k3text.inference.prefix_cache import STORE_AXES, PrefixCache, PrefixStore
 from k3text.inference.sampling import SlotSampling
+from k3text.layers.initializers import Init
 from k3text.models.decoder import (
     Decoder,
     is_per_layer,
@@ -871,3 +873,29 @@ def place_model(model: Decoder, ctx: sharding.MeshContext) -> Decoder:
         placed.append((path, var.replace(
             jax.make_array_from_callback(host.shape, target, lambda index, h=host: h[index]))))
     return nnx.merge(graphdef, nnx.from_flat_state(placed))
+
+
+def build_engine(cfg: Config) -> tuple[Engine, sharding.MeshContext]:
+    """The mesh, the parameters in their shardings (from `load_parameters_path`, else random
+    from `init_seed`, said loudly), and the engine over them."""
+    ctx = sharding.MeshContext(sharding.make_mesh(cfg), cfg.logical_axis_rules)
+    if cfg.load_parameters_path:
+        from k3text.checkpoint import load_model
+
+        model = load_model(cfg, ctx, cfg.load_parameters_path)
+    else:
+        log.warning("no load_parameters_path: decoding RANDOM weights (init_seed=%d); the "
+                    "outputs are noise. Set load_parameters_path to a checkpoint.",
+                    cfg.init_seed)
+        model = place_model(Decoder(cfg, Init(cfg.init_seed)), ctx)
+    return Engine(cfg, model, ctx), ctx
+
+
+def enable_compilation_cache(cfg: Config) -> None:
+    """Reuse compiled programs across runs (`compilation_cache_dir`): the second run of a
+    command skips XLA compiles. A cache the embedding program already configured is left in
+    place."""
+    if cfg.compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir",
+                          os.path.expanduser(cfg.compilation_cache_dir))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
