@@ -588,6 +588,19 @@ def test_no_config_is_a_usage_error(capsys, main, argv):
     assert not out and err.strip().splitlines()[-1] == "error: no CONFIG file given (-h for help)"
 
 
+@pytest.mark.parametrize("argv", [["--port", "9000"], [CPU, "--port=9000"],
+                                  [CPU, "max_decode_steps=2", "-v"]])
+def test_a_flag_is_a_usage_error_naming_it(capsys, argv):
+    """The commands take config keys as key=value: a flag (say vLLM's `--port`) is named as an
+    unknown option, not read as a config file or an override."""
+    assert decode.main(argv) == 2
+    out, err = capsys.readouterr()
+    flag = next(a for a in argv if a.startswith("-"))
+    assert not out and err.strip().splitlines()[-1] == (
+        f"error: unknown option {flag!r}: settings are config keys, given as key=value "
+        f"(-h for help)")
+
+
 @pytest.mark.parametrize("command", ["convert", "make_tiny_checkpoint"])
 @pytest.mark.parametrize("target,force,message", [
     ("file", True, "{out} is a file, not a directory; give a directory path"),

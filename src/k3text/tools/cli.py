@@ -32,6 +32,11 @@ def main(argv: Sequence[str] | None, prog: str, doc: str, body: Callable[[Config
     if not argv:
         print(f"{usage}\nerror: no CONFIG file given (-h for help)", file=sys.stderr)
         return 2
+    options = [a for a in argv if a.startswith("-")]  # settings are key=value, never flags
+    if options:
+        print(f"{usage}\nerror: unknown option {options[0]!r}: settings are config keys, "
+              f"given as key=value (-h for help)", file=sys.stderr)
+        return 2
     # force: an imported library may already have given the root logger a handler of its own.
     logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr, force=True)
     logging.getLogger("k3text").setLevel(logging.INFO)
