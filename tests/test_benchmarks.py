@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -180,21 +181,53 @@ def test_serve_load_prints_the_targets_and_keeps_whole_rounds_on_ctrl_c(tmp_path
         assert target in stdout, stdout
 
 
-@pytest.mark.slow
-def test_serve_load_shared_prefix_keeps_the_cache_off_rows_on_ctrl_c(tmp_path):
-    """`serve_load.py --shared-prefix`, small (4 requests of the 2,048-token system prompt, one
-    conversation), with Ctrl-C once the cache-off server is done: its two rows are written,
-    marked interrupted, no cache-on comparison is printed, it exits 130, and no server is left."""
-    out, log = tmp_path / "out", tmp_path / "stderr.txt"
-    proc, stdout, children = _serve_load_interrupted(
-        ["--shared-prefix", "--requests", "4", "--out", str(out)], log, "prefix cache off: done")
-    assert proc.returncode == 130, log.read_text()[-3000:]
-    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
-    assert "interrupted: writing the 2 rows measured" in log.read_text()
+def test_serve_load_shared_prefix_keeps_the_cache_off_rows_on_ctrl_c(tmp_path, monkeypatch,
+                                                                    capsys):
+    """`serve_load.py --shared-prefix` cut short by Ctrl-C while the cache-on server runs (its
+    servers and load replaced by stand-ins, so only the run's own bookkeeping is under test):
+    the cache-off rows measured are written, marked interrupted, no cache-on comparison is
+    printed, every server started is stopped, and the command exits 130."""
+    import serve_load
+
+    started, stopped = [], []
+
+    class Server:
+        def __init__(self, config, overrides):
+            self.cached = "enable_prefix_caching=True" in overrides
+            self.url = f"http://server-{len(started)}"
+            started.append(self)
+
+        def stop(self):
+            stopped.append(self)
+
+    def answered(n):
+        return [{"ttft": 0.5, "tpot": 0.01, "tokens": 9, "end": 1.0, "ids": [5] * 9,
+                 "arrivals": []}] * n
+
+    async def closed_loop(url, model, requests, concurrency, slots):
+        if started[-1].cached and len(requests) > 1:  # the cache-on run's measured load
+            raise KeyboardInterrupt
+        return serve_load._summary("fixed concurrency", answered(len(requests)), 2.0)
+
+    async def conversations(url, model, system, talks):
+        return serve_load._summary("multi-turn", answered(4 * len(talks)), 3.0)
+
+    monkeypatch.setattr(serve_load, "ServerProcess", Server)
+    monkeypatch.setattr(serve_load, "closed_loop", closed_loop)
+    monkeypatch.setattr(serve_load, "conversations", conversations)
+    monkeypatch.setattr(serve_load, "cache_counts", lambda url: np.zeros(2))
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["serve_load.py", "--shared-prefix", "--requests", "4",
+                                      "--out", str(out)])
+    assert serve_load.main() == 130
+    stdout, stderr = capsys.readouterr()
+    assert "interrupted: writing the 2 rows measured" in stderr
+    assert [s.cached for s in started] == [False, True] and stopped == started
     head, *rows = [json.loads(line) for line in (out / "prefix_cache.jsonl").read_text()
                    .splitlines()]
     assert head["interrupted"] is True and MACHINE_FIELDS <= set(head)
-    assert [r["prefix_cache"] for r in rows] == [False, False]
-    assert [r["requests"] for r in rows] == [4, 4]  # 4 requests; 1 conversation of 4 turns
-    assert all(r["output_tokens_per_s"] > 0 and r["hit_rate"] is None for r in rows)
+    assert [(r["prefix_cache"], r["requests"]) for r in rows] == [(False, 4), (False, 4)]
+    table = [line for line in (out / "prefix_cache.csv").read_text().splitlines()
+             if not line.startswith("#")]
+    assert [r["workload"] for r in csv.DictReader(table)] == [r["workload"] for r in rows]
     assert "x lower" not in stdout and "2,048-token system prompt + question" in stdout
