@@ -165,3 +165,33 @@ def test_a_multi_process_server_stops_at_once_when_a_process_is_lost():
         if server is not None:
             server.stop(signal.SIGKILL)
         follower.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_multi_process_server_exits_when_a_process_is_stuck():
+    """2 processes x 4 CPU devices, and a follower that is alive but stuck (stopped with
+    SIGSTOP: jax's collectives wait for it for ever, and its heartbeat only lapses minutes
+    later): the request's decode call waits in a collective, the watchdog finds the iteration
+    past `serve_iteration_timeout`, and process 0 exits 1 naming it, for the platform to
+    restart the job."""
+    path = str(ROOT / "configs" / "inference" / "cpu8-local.yml")
+    job = ["jax_distributed_initialize=true", "num_processes=2",
+           f"coordinator_address=localhost:{coordinator_port()}", "serve_iteration_timeout=5"]
+    follower = Server(path, *SHIPPED, *job, "process_id=1", listens=False)
+    server = None
+    try:
+        server = Server(path, *SHIPPED, *job, "process_id=0")
+        follower.proc.send_signal(signal.SIGSTOP)
+        with pytest.raises(httpx.TransportError):  # the connection ends with the process
+            httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"model": "k3-small", "prompt": [1, 5, 6], "max_tokens": 4})
+        assert server.proc.wait(60) == 1, "\n".join(server.lines)
+        server.stop()
+        assert re.match(r"error: a scheduler iteration has run \d+ s, past "
+                        r"serve_iteration_timeout: a device, or another process of this job, is "
+                        r"stuck", server.lines[-1]), server.lines[-1]
+    finally:
+        if server is not None:
+            server.stop(signal.SIGKILL)
+        follower.stop(signal.SIGKILL)
+

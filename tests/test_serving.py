@@ -639,6 +639,67 @@ def test_a_lost_process_is_named_to_every_request_it_ends(tiny, caplog):
     assert any(str(lost) in r.getMessage() for r in records)
 
 
+def test_a_stuck_iteration_is_reported_once_past_the_timeout(tiny):
+    """A decode call that never returns (a collective waiting on a process that is alive but
+    stuck, which jax never times out) holds the scheduler thread: once an iteration has run
+    past `serve_iteration_timeout` the watchdog reports it, once; iterations that return in
+    time are never reported."""
+    from k3text.serving.scheduler import Finished, Request, Scheduler
+
+    cfg, engine = tiny
+    cfg = cfg.replace(per_device_batch_size=2, serve_steps_per_call=2,
+                      serve_iteration_timeout=2.5)
+    release, reported = threading.Event(), []
+
+    class Stuck(_FetchHook):
+        stuck = False
+
+        def hooked(self, later):
+            get = later.get
+
+            def fetched():
+                if self.stuck:
+                    release.wait(60)
+                return get()
+
+            later.get = fetched
+            return later
+
+    stuck = Stuck(engine)
+    done = [threading.Event() for _ in range(3)]
+
+    def sink(i):
+        return lambda event: isinstance(event, Finished) and done[i].set()
+
+    warm = Scheduler(cfg.replace(serve_iteration_timeout=0.0), stuck, None)
+    warm.start()  # compiles the programs at these shapes (the server does it before it starts)
+    try:
+        warm.submit(Request([5, 6, 7], SamplingParams(max_tokens=6), sink(2)))
+        assert done[2].wait(300)
+    finally:
+        warm.stop()
+    scheduler = Scheduler(cfg, stuck, None, on_stuck=reported.append)
+    scheduler.start()
+    try:
+        scheduler.submit(Request([5, 6, 7], SamplingParams(max_tokens=6), sink(0)))
+        assert done[0].wait(120)
+        time.sleep(3.0)  # idle past the timeout: nothing runs, nothing is reported
+        assert reported == [] and scheduler.iteration_seconds() == 0.0
+        stuck.stuck = True
+        scheduler.submit(Request([5, 6, 7], SamplingParams(max_tokens=6), sink(1)))
+        deadline = time.monotonic() + 30
+        while not reported and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(reported) == 1 and reported[0] > 2.5, reported
+        assert scheduler.iteration_seconds() > 2.5
+        time.sleep(1.0)
+        assert len(reported) == 1  # said once
+    finally:
+        release.set()
+        scheduler.stop()
+    assert done[1].is_set()  # released, the stuck call finished and so did its request
+
+
 def test_non_finite_logits_fail_their_own_request_alone(tiny, monkeypatch, caplog):
     """A token whose embedding is NaN (a broken checkpoint) makes NaN logits for every sequence
     that reads it: each such request, prompted with it or generating it, ends in an error

@@ -614,6 +614,8 @@ def _validate(cfg: Config) -> None:
                  "context-parallel call ends only every prefill_context_parallelism chunks")
     _require(cfg.serve_shutdown_timeout >= 0, f"serve_shutdown_timeout must be >= 0, got "
              f"{cfg.serve_shutdown_timeout}")
+    _require(cfg.serve_iteration_timeout >= 0, f"serve_iteration_timeout must be >= 0 (0: no "
+             f"limit), got {cfg.serve_iteration_timeout}")
     _validate_divisibility(cfg)
 
 

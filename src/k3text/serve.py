@@ -135,7 +135,8 @@ def serve(cfg: Config) -> None:
                                      prefill_batch=prefill_rows(cfg),
                                      top_n=cfg.serve_max_logprobs, serving=True,
                                      prefill_engine=prefill_engine)
-            scheduler = Scheduler(cfg, engine, tokenizer, metrics, prefill_engine)
+            scheduler = Scheduler(cfg, engine, tokenizer, metrics, prefill_engine,
+                                  on_stuck=_exit_stuck)
             scheduler.start()
             state.scheduler = scheduler
             log.info("ready: model %r, %d slots, compile %.1f s", protocol.model_name, slots,
@@ -200,6 +201,17 @@ def build_prefill_engine(cfg: Config, engine: Engine) -> Engine | None:
     mesh = sharding.make_mesh(cfg, rest[:len(taken)])
     log.info("prefill on its own mesh: devices %s", [d.id for d in mesh.devices.flat])
     return engine.on_mesh(sharding.MeshContext(mesh, cfg.logical_axis_rules))
+
+
+def _exit_stuck(seconds: float) -> None:
+    """The scheduler's watchdog: an iteration has run past `serve_iteration_timeout`. The call
+    it waits in cannot be interrupted, so no request can be served again and no drain can
+    finish; the process ends with status 1 at once (with several processes, process 0's end
+    ends the job through jax's coordination service), for the platform to restart it."""
+    print(f"error: a scheduler iteration has run {seconds:.0f} s, past "
+          f"serve_iteration_timeout: a device, or another process of this job, is stuck; "
+          f"the server exits", file=sys.stderr)
+    files.exit_now(1)
 
 
 def _exit_during_start_up(error: BaseException | None) -> None:

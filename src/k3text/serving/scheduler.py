@@ -172,9 +172,14 @@ class _Prefill:
 
 class Scheduler:
     def __init__(self, cfg: Config, engine: Engine, tokenizer: Tokenizer | None,
-                 metrics: Metrics | None = None, prefill_engine: Engine | None = None):
+                 metrics: Metrics | None = None, prefill_engine: Engine | None = None,
+                 on_stuck: Callable[[float], None] | None = None):
+        """`on_stuck(seconds)`: called once, from a watchdog thread, when an iteration has run
+        longer than `serve_iteration_timeout` (a device call or a collective that never
+        returns, which nothing can interrupt); None: only logged."""
         self.cfg = cfg
         self.engine = engine
+        self.on_stuck = on_stuck
         # `serve_prefill_apart`: prompts are prefilled by an engine on a mesh of their own, its
         # calls dispatched without waiting, while this one decodes.
         self.prefiller = prefill_engine or engine
@@ -190,6 +195,7 @@ class Scheduler:
         self._stopping = False
         self._in_flight = 0  # submitted and not yet finished (under _cv)
         self._thread: threading.Thread | None = None
+        self._iteration_began: float | None = None  # monotonic time; None between iterations
         # Scheduler-thread state.
         self._pool: Pool | None = None
         self._free = list(range(self.num_slots))
@@ -235,6 +241,8 @@ class Scheduler:
             self._accepting = True
         self._thread = threading.Thread(target=self._run, name="k3text-scheduler", daemon=True)
         self._thread.start()
+        if self.cfg.serve_iteration_timeout > 0:
+            threading.Thread(target=self._watch, name="k3text-watchdog", daemon=True).start()
 
     def stop_accepting(self) -> None:
         with self._cv:
@@ -248,6 +256,26 @@ class Scheduler:
     def healthy(self) -> bool:
         """The scheduler thread runs and holds a pool."""
         return self._thread is not None and self._thread.is_alive() and self._pool is not None
+
+    def iteration_seconds(self) -> float:
+        """How long the scheduler thread's current iteration has run (0 between them)."""
+        began = self._iteration_began
+        return 0.0 if began is None else time.monotonic() - began
+
+    def _watch(self) -> None:
+        """Watchdog: a device call or collective that never returns holds the scheduler thread
+        for ever (a process of a multi-process job that is alive but stuck never fails its
+        peers' collectives), and only the process ending frees what waits on it."""
+        limit = self.cfg.serve_iteration_timeout
+        while self._thread is not None and self._thread.is_alive():
+            time.sleep(min(1.0, limit / 4))
+            seconds = self.iteration_seconds()
+            if seconds > limit:
+                log.error("a scheduler iteration has run %.0f s (serve_iteration_timeout=%g): a "
+                          "device, or another process of this job, is stuck", seconds, limit)
+                if self.on_stuck is not None:
+                    self.on_stuck(seconds)
+                return
 
     def stop(self, timeout: float = 0.0) -> None:
         """Stop admitting, let in-flight requests finish for up to `timeout` seconds, then have
@@ -286,10 +314,13 @@ class Scheduler:
                             or self._in_flight_call):
                         return
                     self._cancel_everything()
+            self._iteration_began = time.monotonic()
             try:
                 self.iterate()
             except Exception as e:  # never let one iteration end the server
                 self._fail_all(_failure(e, "scheduler iteration", "in the scheduler"))
+            finally:
+                self._iteration_began = None
 
     def _cancel_everything(self) -> None:  # under _cv, on the scheduler thread
         for r in [*self._waiting, *self._holding(),
