@@ -7,6 +7,8 @@ prefill."""
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -259,8 +261,24 @@ def test_the_scheduler_prefills_long_prompts_context_parallel():
     engine.warm_up(cfg.global_batch_size, cfg.serve_steps_per_call,
                    prefill_batch=prefill_rows(cfg), top_n=cfg.serve_max_logprobs, serving=True)
     warmed = set(engine._shapes_seen)
+    calls = collections.Counter()
+
+    def counting(name):
+        call = getattr(engine, name)
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return call(*args, **kwargs)
+        return counted
+
+    for name in ("prefill_slices", "prefill_chunk", "dispatch_decode_and_prefill"):
+        setattr(engine, name, counting(name))
     parallel, scheduler = serve(engine, parallel_cfg, requests)
     assert ("context-parallel prefill", "2 x 16 tokens") in engine._shapes_seen
+    # The six prompts longer than a chunk, 2 x 16 tokens per call (4 + 2 + 1 + 2 + 3 + 2); the
+    # two short ones by the chunked paths (a chunk of their own or one riding a decode call).
+    assert calls["prefill_slices"] == 14, calls
+    assert calls["prefill_chunk"] + calls["dispatch_decode_and_prefill"] >= 2, calls
     assert engine._shapes_seen == warmed, engine._shapes_seen - warmed  # nothing compiled late
     for i, (a, b) in enumerate(zip(chunked, parallel, strict=True)):
         assert a["ids"] == b["ids"], f"request {i}"

@@ -42,7 +42,9 @@ def decode(config, checkpoint, prompts, workdir, *overrides):
     assert decode_main([str(config), *load, f"prompts_file={prompts_file}",
                         f"output_file={output}", "return_log_prob=true", "ignore_eos=true",
                         "decode_sampling_strategy=greedy", *EXACT, *overrides]) == 0
-    return [json.loads(line) for line in output.read_text().splitlines()]
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["prompt_ids"] for r in records] == [list(p) for p in prompts]
+    return records
 
 
 # --------------------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ def test_k3_stored_bytes_match_the_checkpoint(k3_params):
 
 def test_mxfp4_packed_bytes_hold_two_params_and_scales_none(k3_tensors):
     experts = [t for t in k3_tensors if t.component == "routed_experts"]
+    assert {t.name.endswith("_packed") for t in experts} == {True, False}  # weights and scales
     for t in experts:
         packed = t.name.endswith("_packed")
         assert t.params == (2 * math.prod(t.shape) if packed else 0)
