@@ -235,8 +235,8 @@ def test_the_memory_tool_says_when_it_pays(capsys):
 
 
 def test_the_scheduler_prefills_long_prompts_context_parallel():
-    """Served in-process on 8 devices (rows over data=2): a long prompt at the head of the
-    queue takes the context-parallel call, a short one starts a chunked group, and every
+    """Served in-process on 8 devices (rows over data=2): long prompts take the context-parallel
+    call, short ones the chunked groups (a group stops at a long prompt), and every
     output equals the same workload served with chunked prefill only (greedy and seeded,
     tokens identical). The default `serve_prefill_batch` (1) is rounded up to the two batch
     shards, and the server's warm-up compiles every program at every shape the workload then
@@ -276,11 +276,10 @@ def test_the_scheduler_prefills_long_prompts_context_parallel():
         setattr(engine, name, counting(name))
     parallel, scheduler = serve(engine, parallel_cfg, requests)
     assert ("context-parallel prefill", "2 x 16 tokens") in engine._shapes_seen
-    # The queue's head decides a group's path. Context-parallel, 2 x 16 tokens per call: the
-    # prompts of 100, 17, 64 and 33 tokens (4 + 1 + 2 + 2 calls). A short head (5, 3) starts a
-    # chunked group of two, which takes the prompt behind it whatever its length (40, 90):
-    # those chunks run alone or ride decode calls.
-    assert calls["prefill_slices"] == 9, calls
+    # Every prompt longer than a chunk runs context-parallel, 2 x 16 tokens per call (100, 40,
+    # 17, 64, 90, 33 tokens: 4 + 2 + 1 + 2 + 3 + 2 calls), even behind a short one that starts
+    # a chunked group; the two short ones (5, 3) run chunked, alone or riding decode calls.
+    assert calls["prefill_slices"] == 14, calls
     assert calls["prefill_chunk"] + calls["dispatch_decode_and_prefill"] >= 2, calls
     assert engine._shapes_seen == warmed, engine._shapes_seen - warmed  # nothing compiled late
     for i, (a, b) in enumerate(zip(chunked, parallel, strict=True)):

@@ -480,16 +480,20 @@ class Scheduler:
         # Apart, a group is prefilled ahead, before any slot is free: its rows take slots when
         # they are inserted, so a finished prefix waits for a slot rather than a slot for it.
         free = self.num_slots if self._apart else len(self._free)
+        def parallel(r: Request) -> bool:  # prefilled alone, context-parallel
+            return self.prefix_cache is None and self.prefiller.context_parallel([r.prompt_ids])
+
         with self._cv:
             if not (self._waiting and free):
                 return None
-            slices = self.prefix_cache is None and \
-                self.prefiller.context_parallel([self._waiting[0].prompt_ids])
+            slices = parallel(self._waiting[0])
         batch = cfg.prefill_context_parallelism if slices else self.prefill_batch
         prefix = self.prefiller.new_prefix(batch)  # before any request leaves the queue
         rows: list[Request | None] = []
         with self._cv:
-            while self._waiting and len(rows) < min(free, 1 if slices else batch):
+            # A chunked group stops at a prompt that runs context-parallel: it goes next, alone.
+            while self._waiting and len(rows) < min(free, 1 if slices else batch) \
+                    and not (rows and parallel(self._waiting[0])):
                 rows.append(self._waiting.popleft())
         if not rows:
             return None
