@@ -648,7 +648,7 @@ def test_a_stuck_iteration_is_reported_once_past_the_timeout(tiny):
 
     cfg, engine = tiny
     cfg = cfg.replace(per_device_batch_size=2, serve_steps_per_call=2,
-                      serve_iteration_timeout=2.5)
+                      serve_iteration_timeout=5.0)
     release, reported = threading.Event(), []
 
     class Stuck(_FetchHook):
@@ -683,15 +683,15 @@ def test_a_stuck_iteration_is_reported_once_past_the_timeout(tiny):
     try:
         scheduler.submit(Request([5, 6, 7], SamplingParams(max_tokens=6), sink(0)))
         assert done[0].wait(120)
-        time.sleep(3.0)  # idle past the timeout: nothing runs, nothing is reported
+        time.sleep(5.5)  # idle past the timeout: nothing runs, nothing is reported
         assert reported == [] and scheduler.iteration_seconds() == 0.0
         stuck.stuck = True
         scheduler.submit(Request([5, 6, 7], SamplingParams(max_tokens=6), sink(1)))
         deadline = time.monotonic() + 30
         while not reported and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert len(reported) == 1 and reported[0] > 2.5, reported
-        assert scheduler.iteration_seconds() > 2.5
+        assert len(reported) == 1 and reported[0] > 5.0, reported
+        assert scheduler.iteration_seconds() > 5.0
         time.sleep(1.0)
         assert len(reported) == 1  # said once
     finally:
