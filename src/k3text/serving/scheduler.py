@@ -480,6 +480,7 @@ class Scheduler:
         # Apart, a group is prefilled ahead, before any slot is free: its rows take slots when
         # they are inserted, so a finished prefix waits for a slot rather than a slot for it.
         free = self.num_slots if self._apart else len(self._free)
+
         def parallel(r: Request) -> bool:  # prefilled alone, context-parallel
             return self.prefix_cache is None and self.prefiller.context_parallel([r.prompt_ids])
 
