@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import random
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from k3text import sharding
 from k3text.config import Config, load_config
@@ -58,3 +60,39 @@ def coordinator_port() -> int:
                 continue
             return s.getsockname()[1]
     raise RuntimeError(f"no free port below {low} for a jax.distributed coordinator")
+
+
+# Two correct programs that sum in different orders (sharded or not, other batch shapes, other
+# kernels) may rank two tokens differently where their log-probabilities are this close.
+NEAR_TIE = 1e-3
+
+
+def assert_same_greedy(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]],
+                       tops: Sequence[Sequence[Sequence[float]]] | None,
+                       got_logprobs: Sequence[Sequence[float]] | None = None,
+                       want_logprobs: Sequence[Sequence[float]] | None = None,
+                       atol: float = 1e-4, where: str = "") -> list[int]:
+    """Two programs' greedy tokens for each prompt are the same, and so are their
+    log-probabilities (within `atol`, where given), except from a near tie on: at the first
+    token where the two part, `tops` (either program's highest log-probabilities per token,
+    highest first: up to there both saw the same context) must show the top two within
+    NEAR_TIE. A parting anywhere else, or without `tops` to judge it, fails. Returns how many
+    tokens the two share per prompt (all of `want`'s where they never part)."""
+    shared = []
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        a, b = list(a), list(b)
+        at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if at is None:
+            assert len(a) == len(b), f"{where}prompt {i}: {a} and {b} stop at different lengths"
+            at = len(a)
+        else:
+            top = tops[i][at] if tops is not None else []
+            gap = top[0] - top[1] if len(top) > 1 else float("inf")
+            assert gap < NEAR_TIE, (
+                f"{where}prompt {i}: {a} != {b} from token {at}, where the two highest "
+                f"log-probabilities are {gap:.3g} apart (a near tie: below {NEAR_TIE})")
+        shared.append(at)
+        if got_logprobs is not None and want_logprobs is not None:
+            np.testing.assert_allclose(got_logprobs[i][:at], want_logprobs[i][:at], atol=atol,
+                                       rtol=0, err_msg=f"{where}prompt {i}")
+    return shared

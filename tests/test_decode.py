@@ -18,7 +18,7 @@ from k3text.layers.initializers import Init
 from k3text.models.decoder import Decoder
 from k3text.models.state import zeros
 
-from helpers import engine_for, tiny_config
+from helpers import assert_same_greedy, engine_for, tiny_config
 
 LENGTHS = (63, 64, 65, 129)
 
@@ -104,15 +104,38 @@ def test_ragged_batch_equals_one_by_one(setup):
     cfg, _, engine = setup
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 70, 1, 64)]
-    together = engine.decode_batch(prompts)
+    together = engine.decode_batch(prompts, top_n=2)
+    # Each token's two highest log-probabilities, highest first; greedy chose the first.
+    for lps, tops in zip(together.output_logprobs, together.output_top_logprobs, strict=True):
+        assert np.shape(tops) == (len(lps), 2) and all(a >= b for a, b in tops)
+        np.testing.assert_allclose([a for a, _ in tops], lps, rtol=0, atol=1e-6)
     for i, prompt in enumerate(prompts):
         alone = engine.decode_batch([prompt])
-        assert alone.output_ids[0] == together.output_ids[i], f"prompt {i}"
-        np.testing.assert_allclose(alone.output_logprobs[0], together.output_logprobs[i],
-                                   atol=1e-4)
+        assert alone.output_top_logprobs is None  # not asked for
+        assert_same_greedy(alone.output_ids, together.output_ids[i:i + 1],
+                           together.output_top_logprobs[i:i + 1], alone.output_logprobs,
+                           together.output_logprobs[i:i + 1], where=f"prompt {i}: ")
     for limits in ([2], [0, 1, 1, 1], [1, 1, 1, -3]):  # one per prompt, each at least 1
         with pytest.raises(ConfigError, match="limits must give each"):
             engine.decode_batch(prompts, limits=limits)
+
+
+def test_greedy_outputs_may_part_only_at_a_near_tie():
+    """The comparison every sharded/unsharded, batched/alone test uses: tokens may part only
+    where the two highest log-probabilities are within NEAR_TIE, log-probabilities compared up
+    to there; a parting anywhere else, or an early stop, fails."""
+    want, tops = [[4, 5, 6, 7]], [[[-0.1, -3.0], [-0.7, -0.7004], [-0.2, -2.0], [-0.3, -1.5]]]
+    lps = [[-0.1, -0.7, -0.2, -0.3]]
+    assert assert_same_greedy(want, want, tops, lps, lps) == [4]
+    assert assert_same_greedy([[4, 9, 1, 1]], want, tops, [[-0.1, -0.7004, -5, -5]], lps) == [1]
+    with pytest.raises(AssertionError, match="from token 2, where the two highest .* 1.8 apart"):
+        assert_same_greedy([[4, 5, 9, 7]], want, tops)
+    with pytest.raises(AssertionError, match="from token 1"):  # no top log-probabilities
+        assert_same_greedy([[4, 9, 6, 7]], want, None)
+    with pytest.raises(AssertionError, match="stop at different lengths"):
+        assert_same_greedy([[4, 5, 6]], want, tops)
+    with pytest.raises(AssertionError, match="prompt 0"):  # before the parting
+        assert_same_greedy([[4, 9, 1, 1]], want, tops, [[-0.2, -0.7004, -5, -5]], lps)
 
 
 def test_unrolled_engine_reads_split_stacks_and_decodes_the_same(setup):
@@ -127,9 +150,9 @@ def test_unrolled_engine_reads_split_stacks_and_decodes_the_same(setup):
     experts = [v for path, v in grouped.items() if "experts" in path]
     assert experts and all(len(v[0]) == cfg.num_experts for v in experts)
     prompts = [[5, 6, 7], list(range(3, 70))]
-    a, b = engine.decode_batch(prompts), unrolled.decode_batch(prompts)
-    assert a.output_ids == b.output_ids
-    np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-4)
+    a, b = engine.decode_batch(prompts, top_n=2), unrolled.decode_batch(prompts)
+    assert_same_greedy(b.output_ids, a.output_ids, a.output_top_logprobs, b.output_logprobs,
+                       a.output_logprobs)
 
 
 def test_decode_loop_is_one_compiled_program(setup, monkeypatch):

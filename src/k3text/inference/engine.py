@@ -143,6 +143,8 @@ class Generation:
     prefill_seconds: float  # time to first token (prefill and the first tokens sampled)
     decode_seconds: float  # the decode loop (all remaining steps)
     decode_steps: int  # tokens of the longest sequence: the first plus the loop's steps
+    # With `decode_batch(top_n=N)`: each token's N highest log-probabilities, highest first.
+    output_top_logprobs: list[list[list[float]]] | None = None
 
     @property
     def generated_tokens(self) -> int:
@@ -555,14 +557,15 @@ class Engine:
     def decode_batch(self, prompts: Sequence[Sequence[int]], batch: int | None = None,
                      max_steps: int | None = None, seed: int | None = None,
                      limits: Sequence[int] | None = None,
-                     cache: PrefixCache | None = None) -> Generation:
+                     cache: PrefixCache | None = None, top_n: int = 0) -> Generation:
         """Decode `prompts` together (the offline driver): prefill them in one batch, insert
         them into a pool of `batch` slots, generate until every one stops. Prompt i samples
         with seed `seed + i` (default `cfg.seed`) and generates at most `limits[i]` tokens
         (default `max_steps`, itself by default `max_decode_steps`). With a prefix `cache`
         each prompt is prefilled on its own, in order, so it can reuse the blocks of the
         prompts before it (and of earlier calls); so is every prompt when any is prefilled
-        context-parallel (`context_parallel`)."""
+        context-parallel (`context_parallel`). With `top_n`, each token's `top_n` highest
+        log-probabilities come too (`Generation.output_top_logprobs`)."""
         cfg = self.cfg
         max_steps = cfg.max_decode_steps if max_steps is None else max_steps
         if not prompts:
@@ -586,37 +589,42 @@ class Engine:
         if cache is None and not any(self.context_parallel([p]) for p in prompts):
             pool, first = self.insert(self.new_pool(batch), self.prefill(prompts, batch),
                                       slots, limits + [1] * (batch - len(prompts)), stop,
-                                      params)
+                                      params, top_n)
         else:
-            pool, first = self._insert_one_by_one(prompts, batch, limits, stop, params, cache)
+            pool, first = self._insert_one_by_one(prompts, batch, limits, stop, params, cache,
+                                                  top_n)
         t1 = time.perf_counter()
         steps = 1
         rest = Tokens(np.zeros((batch, 0), np.int32), np.zeros((batch, 0), np.float32),
-                      None, None, np.zeros(batch, np.int32), first.active, 0)
+                      np.zeros((batch, 0, top_n), np.int32),
+                      np.zeros((batch, 0, top_n), np.float32), np.zeros(batch, np.int32),
+                      first.active, 0)
         if max_steps > 1 and first.active[: len(prompts)].any():
-            pool, rest = self.generate(pool, max_steps - 1)
+            pool, rest = self.generate(pool, max_steps - 1, top_n)
             steps += rest.steps
         t2 = time.perf_counter()
         eos = None if cfg.ignore_eos else cfg.eos_token_id
-        outputs, lps, reasons = [], [], []
+        outputs, lps, tops, reasons = [], [], [], []
         for i in range(len(prompts)):
             n = int(rest.count[i])
             ids = [int(first.ids[i]), *(int(t) for t in rest.ids[i, :n])]
             outputs.append(ids)
             lps.append([float(first.logprobs[i]), *(float(x) for x in rest.logprobs[i, :n])])
+            tops.append([first.top_logprobs[i].tolist(), *rest.top_logprobs[i, :n].tolist()])
             reasons.append("eos" if eos is not None and ids[-1] == eos else "length")
         return Generation([list(p) for p in prompts], outputs, lps, reasons, t1 - t0, t2 - t1,
-                          steps)
+                          steps, tops if top_n else None)
 
 
     def _insert_one_by_one(self, prompts: Sequence[Sequence[int]], batch: int,
                            limits: Sequence[int], stop: np.ndarray, params: SlotSampling,
-                           cache: PrefixCache | None) -> tuple[Pool, Tokens]:
+                           cache: PrefixCache | None, top_n: int) -> tuple[Pool, Tokens]:
         """Prompt i prefilled alone (through `cache`, or context-parallel) and inserted into
         slot i from its prefix's row 0; the first tokens of all `batch` rows (padding rows
         inactive)."""
         pool = self.new_pool(batch)
         ids, lps = np.zeros(batch, np.int32), np.zeros(batch, np.float32)
+        top = np.zeros((batch, top_n), np.float32)
         active = np.zeros(batch, bool)
         for i, prompt in enumerate(prompts):
             prefix = self.prefill([prompt], self.ctx.size("batch"), cache)
@@ -624,9 +632,10 @@ class Engine:
             row = jax.tree.map(lambda a, i=i, n=rows: np.repeat(a[i:i + 1], n, axis=0), params)
             pool, one = self.insert(pool, prefix, [i] + [-1] * (rows - 1),
                                     [limits[i]] + [1] * (rows - 1),
-                                    np.repeat(stop[i:i + 1], rows, axis=0), row)
-            ids[i], lps[i], active[i] = one.ids[0], one.logprobs[0], one.active[0]
-        return pool, Tokens(ids, lps, None, None, np.ones(batch, np.int32), active)
+                                    np.repeat(stop[i:i + 1], rows, axis=0), row, top_n)
+            ids[i], lps[i], top[i], active[i] = (one.ids[0], one.logprobs[0],
+                                                 one.top_logprobs[0], one.active[0])
+        return pool, Tokens(ids, lps, None, top, np.ones(batch, np.int32), active)
 
 
 # ---- the programs (pure; the engine jits them with its graphdef bound) -------------------------
