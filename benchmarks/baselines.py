@@ -79,8 +79,8 @@ import torch
 from flax import nnx
 from transformers import StoppingCriteriaList
 
-from k3text import sharding
-from k3text.config import CONFIG_DIR, Config, load_config
+from k3text import files, sharding
+from k3text.config import CONFIG_DIR, Config, ConfigError, load_config
 from k3text.inference import sampling
 from k3text.inference.engine import Engine, build_engine, place_model
 from k3text.layers import moe
@@ -285,7 +285,8 @@ def load_fla_naive() -> Any:
     """fla-core's torch reference, loaded by path (`import fla` needs triton)."""
     spec = importlib.util.find_spec("fla")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("baselines: fla-core is not installed (pip install -e '.[test]')")
+        raise ConfigError("the kda section needs fla-core, which is not installed "
+                          "(pip install -e '.[test]')")
     path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
     module_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
     module = importlib.util.module_from_spec(module_spec)
@@ -733,9 +734,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "ttft" in args.only:
             for name in EARLIER_KDA:
                 earlier_kda_chunked(name)
+        if "kda" in args.only:
+            load_fla_naive()
     except (ValueError, OSError) as e:  # OutputError included
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return files.exit_status(e)
     torch.set_num_threads(args.torch_threads)
     machine = benchlib.machine(torch=torch.__version__, torch_threads=torch.get_num_threads())
     print(benchlib.machine_line(machine))
@@ -749,6 +752,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # each finished section's files are already whole on disk
         print(f"interrupted; sections written: {', '.join(written) or 'none'}", file=sys.stderr)
         return 130
+    except OSError as e:  # a results file that could not be written (a full disk)
+        print(f"error: {e}; sections written: {', '.join(written) or 'none'}", file=sys.stderr)
+        return files.exit_status(e)
     print(f"wrote {', '.join(f'{s}.jsonl/.csv/.png' for s in args.only)} in {args.out}")
     return 0
 

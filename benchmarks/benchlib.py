@@ -172,6 +172,11 @@ def rounded(value: Any, digits: int = 4) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
+# The results files `check_outputs` found absent: one that appears at such a path while the
+# job runs (another run's) is kept, and these results are written beside it.
+_ABSENT: set[Path] = set()
+
+
 def check_outputs(paths: Iterable[Path], force: bool) -> None:
     """Before any work (a run can take an hour): every results file can be written where asked,
     and one that exists (an earlier run's, perhaps the committed one) is replaced only with
@@ -181,11 +186,28 @@ def check_outputs(paths: Iterable[Path], force: bool) -> None:
         if path.exists() and not force:
             raise files.OutputError(f"{path} already exists (an earlier run's results); use "
                                     f"--force to replace it, or give another --out")
+        (_ABSENT.discard if path.exists() else _ABSENT.add)(Path(path).absolute())
+
+
+def run_checked(work: Callable[[], int]) -> int:
+    """A benchmark's `work()` (its exit status) with the commands' conventions: a bad input or
+    a failed write (a full disk) is one `error:` line and exit 2 or 1, Ctrl-C one line and
+    130; results files are written whole or not at all (`files.write_atomically`)."""
+    try:
+        return work()
+    except (ValueError, OSError) as e:  # ConfigError and OutputError included
+        print(f"error: {e}", file=sys.stderr)
+        return files.exit_status(e)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 def _atomic_write(path: Path, write: Callable[[Any], None], binary: bool = False) -> None:
-    """A failed run never leaves a half-written results file (`k3text.files`)."""
-    files.write_atomically(path, write, binary=binary)
+    """A failed run never leaves a half-written results file (`k3text.files`), nor replaces one
+    that appeared since `check_outputs` found none."""
+    files.write_atomically(path, write, binary=binary,
+                           replace=Path(path).absolute() not in _ABSENT)
 
 
 def write_jsonl(path: Path, header: Mapping[str, Any], rows: Iterable[Mapping[str, Any]]

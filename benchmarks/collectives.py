@@ -178,12 +178,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.runs is not None and args.runs < 1:
         parser.error(f"argument --runs: expected an integer >= 1, got {args.runs}")
-    try:
-        benchlib.check_outputs([args.out / f"collectives.{ext}" for ext in ("jsonl", "csv", "png")],
-                               args.force)
-    except (ValueError, OSError) as e:  # OutputError included
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return benchlib.run_checked(lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    benchlib.check_outputs([args.out / f"collectives.{ext}" for ext in ("jsonl", "csv", "png")],
+                           args.force)
     payloads, calls = (QUICK_PAYLOADS, QUICK_CALLS) if args.quick else (PAYLOADS, CALLS)
     runs = args.runs or (5 if args.quick else 20)
     machine = benchlib.machine()

@@ -98,12 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true",
                         help="replace the results files of an earlier run in --out")
     args = parser.parse_args(argv)
-    try:
-        benchlib.check_outputs([args.out / "layouts.jsonl", args.out / "layouts.csv"],
-                               args.force)
-    except (ValueError, OSError) as e:  # OutputError included
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return benchlib.run_checked(lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    benchlib.check_outputs([args.out / "layouts.jsonl", args.out / "layouts.csv"], args.force)
     machine = benchlib.machine(devices=jax.device_count())
     print(benchlib.machine_line(machine))
     repeats = 3 if args.quick else 7

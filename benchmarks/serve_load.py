@@ -74,7 +74,7 @@ import httpx
 import numpy as np
 
 from k3text import corpus, files
-from k3text.config import CONFIG_DIR, load_config
+from k3text.config import CONFIG_DIR, Config, ConfigError, load_config
 from k3text.tools.tables import table
 
 FIELDS = ("mode", "round", "rate_rps", "concurrency", "requests", "output_tokens", "seconds",
@@ -91,6 +91,17 @@ DEFAULT_OVERRIDES = ["per_device_batch_size=8", "max_target_length=256", "progre
 
 
 WORKLOADS = ("mixed", "decode-heavy")
+
+
+def text_tokenizer(cfg: Config) -> Any:
+    """The config's tokenizer: the workloads are the fact corpus's text prompts."""
+    from k3text.tokenizer import load_tokenizer, tokenizer_file
+
+    tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_file(cfg))
+    if tokenizer is None:
+        raise ConfigError("serve_load needs a config with a tokenizer (its prompts are text), "
+                          "got tokenizer_type none")
+    return tokenizer
 
 
 def workload(cfg: Any, tokenizer: Any, n: int, seed: int,
@@ -120,9 +131,11 @@ def workload(cfg: Any, tokenizer: Any, n: int, seed: int,
 
 class ServerProcess:
     def __init__(self, config: str, overrides: list[str]):
+        # In this process's directory, so a relative config path or override names the file
+        # it names here.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "k3text.serve", config, "server_port=0", *overrides],
-            cwd=benchlib.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
         try:  # a server that fails to start, or a signal meanwhile, leaves no process behind
@@ -336,13 +349,12 @@ def shared_prefix(args: argparse.Namespace) -> str:
     """Measure, write and print; "interrupted" when Ctrl-C cut it short after a first row (the
     rows measured are written), else "done"."""
     from k3text.serve import model_name
-    from k3text.tokenizer import load_tokenizer, tokenizer_file
 
     overrides = [*DEFAULT_OVERRIDES, *args.overrides, *PREFIX_OVERRIDES]
     cfg = load_config(args.config, overrides)
     benchlib.check_outputs([args.out / "prefix_cache.jsonl", args.out / "prefix_cache.csv"],
                            args.force)
-    tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_file(cfg))
+    tokenizer = text_tokenizer(cfg)
     system, suffixed, talks = shared_prefix_workloads(cfg, tokenizer, args.requests, args.seed)
     slots = cfg.global_batch_size
     model = model_name(cfg)
@@ -588,6 +600,12 @@ def main() -> int:
     p.add_argument("--shared-prefix", action="store_true",
                    help="the shared-prefix workloads, with the prefix cache off then on")
     args = p.parse_args()
+    if args.shared_prefix:  # its workloads and rows are its own
+        ignored = [f"--{name}" for name in ("rates", "concurrency", "rounds", "baseline",
+                                            "workload")
+                   if getattr(args, name) != p.get_default(name)]
+        if ignored:
+            p.error(f"--shared-prefix does not take {', '.join(ignored)}")
     default_config = p.get_default("config")
     if "=" in args.config and not Path(args.config).exists():  # only overrides were given
         args.overrides.insert(0, args.config)
@@ -600,7 +618,7 @@ def main() -> int:
     except (ValueError, OSError) as e:  # ConfigError and OutputError included
         print(f"error: {e}", file=sys.stderr)
         return files.exit_status(e)
-    except RuntimeError as e:  # a server that did not start
+    except (RuntimeError, httpx.HTTPError) as e:  # a server that did not start, or failed
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -620,9 +638,8 @@ def load_test(args: argparse.Namespace) -> str:
     benchlib.check_outputs([args.out / f"serve_load.{ext}" for ext in ("jsonl", "csv", "png")],
                            args.force)
     from k3text.serve import model_name
-    from k3text.tokenizer import load_tokenizer, tokenizer_file
 
-    tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_file(cfg))
+    tokenizer = text_tokenizer(cfg)
     requests = workload(cfg, tokenizer, args.requests, args.seed, args.workload)
     slots = cfg.global_batch_size
     concurrency = args.concurrency or 2 * slots

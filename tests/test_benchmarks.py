@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import benchlib
 import sweep
 
+from k3text import files
 from k3text.config import ConfigError
 
 ROOT = benchlib.ROOT
@@ -152,6 +153,46 @@ def _serve_load_interrupted(args: list[str], log: Path, marker: str,
 
 
 @pytest.mark.slow
+def test_benchmarks_end_bad_input_and_failures_in_one_line(tmp_path, monkeypatch, capsys):
+    """`benchlib.run_checked` (collectives, layouts): a bad input exits 2, the machine's failure
+    1, Ctrl-C 130, each one line; serve_load refuses a config without a tokenizer before any
+    work, and options --shared-prefix would ignore."""
+    import errno
+
+    import serve_load
+
+    def failing(error):
+        def work():
+            raise error
+        return work
+
+    for error, status in ((ConfigError("bad key"), 2), (OSError(errno.ENOSPC, "disk full"), 1),
+                          (KeyboardInterrupt(), 130)):
+        assert benchlib.run_checked(failing(error)) == status
+        assert capsys.readouterr().err.count("\n") == 1
+    # A results file that appears while the job runs (another run's) is kept; these results
+    # go beside it, and the error names where.
+    path = tmp_path / "results.jsonl"
+    benchlib.check_outputs([path], force=False)
+    path.write_text("another run's\n")
+    with pytest.raises(files.OutputError, match="results.jsonl"):
+        benchlib.write_jsonl(path, {"machine": {}}, [{"x": 1}])
+    assert path.read_text() == "another run's\n"
+    assert [p.name for p in tmp_path.iterdir() if p != path]
+    benchlib.check_outputs([path], force=True)  # with --force it is replaced
+    benchlib.write_jsonl(path, {"machine": {}}, [{"x": 1}])
+    assert path.read_text().count("\n") == 2
+    tiny = str(ROOT / "configs" / "models" / "k3-tiny.yml")
+    monkeypatch.setattr(sys, "argv", ["serve_load.py", tiny, "--out", str(tmp_path)])
+    assert serve_load.main() == 2
+    assert "serve_load needs a config with a tokenizer" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["serve_load.py", "--shared-prefix", "--rates", "4"])
+    with pytest.raises(SystemExit) as exit_:
+        serve_load.main()
+    assert exit_.value.code == 2
+    assert "--shared-prefix does not take --rates" in capsys.readouterr().err
+
+
 def test_serve_load_prints_the_targets_and_keeps_whole_rounds_on_ctrl_c(tmp_path):
     """`benchmarks/serve_load.py` end to end, small (8 requests, one Poisson rate, two
     interleaved rounds of saturation and the offline baselines), with Ctrl-C once the first

@@ -55,6 +55,8 @@ def test_overrides_nested_keys_and_types():
     (["prefill_buckets=[32,16]"], "prefill_buckets must be increasing positive token widths"),
     (["prefill_buckets=[0,16]"], "prefill_buckets must be increasing positive token widths"),
     (["noequals"], "is not of the form key=value"),
+    (["return_top_logprobs=21"], "return_top_logprobs must be in [0, 20], got 21"),
+    (["serve_max_logprobs=-1"], "serve_max_logprobs must be in [0, 20], got -1"),
 ])
 def test_bad_values_give_one_clear_message(override, message):
     with pytest.raises(ConfigError) as error:

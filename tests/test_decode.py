@@ -101,7 +101,7 @@ def test_sharded_weights_are_never_constants():
 
 
 def test_ragged_batch_equals_one_by_one(setup):
-    cfg, _, engine = setup
+    cfg, model, engine = setup
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 70, 1, 64)]
     together = engine.decode_batch(prompts, top_n=2)
@@ -109,6 +109,19 @@ def test_ragged_batch_equals_one_by_one(setup):
     for lps, tops in zip(together.output_logprobs, together.output_top_logprobs, strict=True):
         assert np.shape(tops) == (len(lps), 2) and all(a >= b for a, b in tops)
         np.testing.assert_allclose([a for a, _ in tops], lps, rtol=0, atol=1e-6)
+    # Against the full forward's log-softmax (float64): the values, and the tokens they belong
+    # to (read at the ids given, so a near tie between the two cannot fail it).
+    seq = prompts[1] + together.output_ids[1][:-1]
+    full = np.asarray(nnx.jit(lambda m, t: m.forward(t))(model, jnp.asarray([seq])),
+                      np.float64)[0, len(prompts[1]) - 1:]
+    shifted = full - full.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    atol = 2e-4 * np.abs(full).max()
+    np.testing.assert_allclose(together.output_top_logprobs[1], -np.sort(-logp)[:, :2],
+                               atol=atol, rtol=0)
+    np.testing.assert_allclose(
+        np.take_along_axis(logp, np.asarray(together.output_top_ids[1]), axis=-1),
+        together.output_top_logprobs[1], atol=atol, rtol=0)
     for i, prompt in enumerate(prompts):
         alone = engine.decode_batch([prompt])
         assert alone.output_top_logprobs is None  # not asked for

@@ -26,12 +26,18 @@ def read(path):
 def test_prompt_ids_to_output_file(config, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     assert main([config, "prompt_ids=1,2,3", f"output_file={out}", "return_log_prob=true",
-                 "ignore_eos=true"]) == 0
+                 "return_top_logprobs=3", "ignore_eos=true"]) == 0
     [record] = read(out)
     assert record["prompt_ids"] == [1, 2, 3]
     assert len(record["output_ids"]) == 4 == len(record["output_logprobs"])
     assert record["finish_reason"] == "length"
     assert all(lp <= 0 for lp in record["output_logprobs"])
+    # Per token its 3 most likely [id, log-probability], most likely first: greedy's choice.
+    top = record["output_top_logprobs"]
+    assert [len(t) for t in top] == [3] * 4
+    assert [t[0][0] for t in top] == record["output_ids"]
+    assert [t[0][1] for t in top] == record["output_logprobs"]
+    assert all(a[1] >= b[1] >= c[1] and len({a[0], b[0], c[0]}) == 3 for a, b, c in top)
     assert "decode" in capsys.readouterr().out
 
 
@@ -42,6 +48,7 @@ def test_prompts_file_keeps_input_order_across_batches(config, tmp_path):
     out = tmp_path / "out.jsonl"
     assert main([config, f"prompts_file={prompts}", f"output_file={out}"]) == 0
     records = read(out)
+    assert not [r for r in records if "output_top_logprobs" in r]  # only when asked for
     assert [r.get("prompt") for r in records] == ["hello", None, "a longer prompt here"]
     assert records[1]["prompt_ids"] == [5, 6]
     assert records[0]["prompt_ids"][0] == 256  # bos prepended to text prompts

@@ -1004,8 +1004,10 @@ def _chat(protocol, messages, **fields):
     (True, "tool_choice", "required"), (True, "response_format", {"type": "json_schema"}),
     (True, "add_generation_prompt", False), (True, "continue_final_message", True),
     (True, "chat_template", "{{ messages }}"), (False, "echo", True), (True, "echo", True),
-    (False, "return_tokens_as_token_ids", True), (True, "return_tokens_as_token_ids", True),
     (False, "add_special_tokens", False), (True, "add_special_tokens", True),
+    (True, "reasoning_effort", "low"), (False, "reasoning_effort", "high"),
+    (True, "verbosity", "low"), (True, "web_search_options", {}),
+    (False, "prompt_embeds", "AAAA"), (False, "vllm_xargs", {"x": 1}),
 ])
 def test_fields_that_would_change_the_output_are_refused_naming_them(protocol, chat, field,
                                                                       value):
@@ -1161,6 +1163,37 @@ def test_a_messages_name_reaches_the_template_and_cannot_forge_a_turn(protocol, 
         with pytest.raises(RequestError, match="name") as e:
             _chat(named, [{"role": "user", "name": bad, "content": "hi"}])
         assert e.value.param == "messages"
+
+
+def test_completions_top_logprobs_keep_the_likelier_of_a_shared_text_and_the_chosen_token(
+        protocol, tokenizer):
+    """Two ids with the same text (the two bytes of é each decode to U+FFFD) share a key: the
+    likelier one's value stays. The chosen token is listed too (N + 1 entries at most), as
+    OpenAI's completions do; `return_tokens_as_token_ids` names every id apart."""
+    from k3text.serving.scheduler import Delta
+    from k3text.serving.text import token_text
+
+    first, second = tokenizer.encode(" é")[-2:]
+    assert token_text(tokenizer, first) == token_text(tokenizer, second) == "\ufffd"
+    chosen = tokenizer.encode("x")[0]
+    delta = Delta([chosen], [-2.5], [[(first, -0.5), (second, -1.5)]], "x")
+    parsed = _completion(protocol, logprobs=2)
+    logprobs = protocol.chunk("id", parsed, delta, None)["choices"][0]["logprobs"]
+    assert logprobs["top_logprobs"] == [{"\ufffd": -0.5, "x": -2.5}]
+    assert logprobs["tokens"] == ["x"]
+    parsed = _completion(protocol, logprobs=2, return_tokens_as_token_ids=True)
+    logprobs = protocol.chunk("id", parsed, delta, None)["choices"][0]["logprobs"]
+    assert logprobs["top_logprobs"] == [{f"token_id:{first}": -0.5,
+                                         f"token_id:{second}": -1.5,
+                                         f"token_id:{chosen}": -2.5}]
+    assert logprobs["tokens"] == [f"token_id:{chosen}"]
+    assert logprobs["text_offset"] == [0]
+    chat = _chat(protocol, [{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2,
+                 return_tokens_as_token_ids=True)
+    [entry] = protocol.chunk("id", chat, delta, None)["choices"][0]["logprobs"]["content"]
+    assert entry["token"] == f"token_id:{chosen}"
+    assert [t["token"] for t in entry["top_logprobs"]] == [f"token_id:{first}",
+                                                           f"token_id:{second}"]
 
 
 def test_logprob_entries_carry_each_tokens_own_bytes_and_offsets(protocol, tokenizer):

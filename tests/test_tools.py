@@ -173,6 +173,11 @@ def test_cli_errors_are_one_line(capsys):
     assert err.startswith("error: unknown config key") and err.count("\n") == 1
     assert memory.main([str(K3), "batch=many"]) == 2
     assert "batch must be an integer" in capsys.readouterr().err
+    # A size past float precision was an OverflowError traceback in the arithmetic.
+    assert memory.main([str(K3), "context=" + "9" * 310]) == 2
+    assert "context must be at most 2**53" in capsys.readouterr().err
+    assert roofline.main([str(K3), "context=0"]) == 2
+    assert capsys.readouterr().err == "error: context=0: must be at least 1\n"
 
 
 # --------------------------------------------------------------------------------------------

@@ -588,9 +588,9 @@ def _validate(cfg: Config) -> None:
     for key in ("max_queued_requests", "serve_steps_per_call", "serve_prefill_token_budget",
                 "serve_prefill_batch", "serve_default_max_tokens"):
         _require(getattr(cfg, key) >= 1, f"{key} must be >= 1, got {getattr(cfg, key)}")
-    _require(0 <= cfg.serve_max_logprobs <= min(cfg.vocab_size, 20),
-             f"serve_max_logprobs must be in [0, {min(cfg.vocab_size, 20)}], got "
-             f"{cfg.serve_max_logprobs}")
+    for key in ("serve_max_logprobs", "return_top_logprobs"):
+        _require(0 <= cfg[key] <= min(cfg.vocab_size, 20),
+                 f"{key} must be in [0, {min(cfg.vocab_size, 20)}], got {cfg[key]}")
     _require(cfg.prefix_cache_block >= 0 and
              cfg.prefix_cache_block % cfg.prefill_chunk_size == 0,
              f"prefix_cache_block ({cfg.prefix_cache_block}) must be 0 (one prefill chunk) or a "

@@ -193,6 +193,11 @@ def result_records(cfg: Config, requests: Sequence[Request], gen: Generation,
         record["finish_reason"] = gen.finish_reasons[i]
         if cfg.return_log_prob:
             record["output_logprobs"] = gen.output_logprobs[i]
+        if cfg.return_top_logprobs:
+            record["output_top_logprobs"] = [
+                [list(pair) for pair in zip(ids, lps, strict=True)]
+                for ids, lps in zip(gen.output_top_ids[i], gen.output_top_logprobs[i],
+                                    strict=True)]
         if request.expected is not None:
             from k3text import corpus
 
@@ -290,8 +295,9 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     widths = None if any(alone) else \
         set().union(*(engine.prefill_widths(group) for group in groups))
     # Reported apart: the throughput below is without it.
-    compile_seconds = sum(engine.warm_up(batch, widths=widths, prefill_batch=rows) for rows in
-                          {engine.ctx.size("batch") if a else batch for a in alone})
+    top_n = cfg.return_top_logprobs
+    compile_seconds = sum(engine.warm_up(batch, widths=widths, prefill_batch=rows, top_n=top_n)
+                          for rows in {engine.ctx.size("batch") if a else batch for a in alone})
     records: list[dict[str, Any]] = []
     gens = []
     bar = tqdm(total=len(requests), desc="decode", unit="prompt", file=sys.stderr,
@@ -301,7 +307,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         # Request i samples with seed `seed + i` whatever batch it falls in (the engine numbers
         # rows from the seed it is given).
         gen = engine.decode_batch([r.prompt_ids for r in group], batch=batch, cache=cache,
-                                  seed=cfg.seed + group[0].index)
+                                  seed=cfg.seed + group[0].index, top_n=top_n)
         gens.append(gen)
         records += result_records(cfg, group, gen, tokenizer)
         bar.update(len(group))

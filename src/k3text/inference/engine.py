@@ -143,7 +143,9 @@ class Generation:
     prefill_seconds: float  # time to first token (prefill and the first tokens sampled)
     decode_seconds: float  # the decode loop (all remaining steps)
     decode_steps: int  # tokens of the longest sequence: the first plus the loop's steps
-    # With `decode_batch(top_n=N)`: each token's N highest log-probabilities, highest first.
+    # With `decode_batch(top_n=N)`: each token's N most likely tokens and their
+    # log-probabilities, most likely first.
+    output_top_ids: list[list[list[int]]] | None = None
     output_top_logprobs: list[list[list[float]]] | None = None
 
     @property
@@ -565,7 +567,8 @@ class Engine:
         each prompt is prefilled on its own, in order, so it can reuse the blocks of the
         prompts before it (and of earlier calls); so is every prompt when any is prefilled
         context-parallel (`context_parallel`). With `top_n`, each token's `top_n` highest
-        log-probabilities come too (`Generation.output_top_logprobs`)."""
+        log-probabilities come too, and their tokens (`Generation.output_top_logprobs`,
+        `output_top_ids`)."""
         cfg = self.cfg
         max_steps = cfg.max_decode_steps if max_steps is None else max_steps
         if not prompts:
@@ -604,16 +607,17 @@ class Engine:
             steps += rest.steps
         t2 = time.perf_counter()
         eos = None if cfg.ignore_eos else cfg.eos_token_id
-        outputs, lps, tops, reasons = [], [], [], []
+        outputs, lps, top_ids, tops, reasons = [], [], [], [], []
         for i in range(len(prompts)):
             n = int(rest.count[i])
             ids = [int(first.ids[i]), *(int(t) for t in rest.ids[i, :n])]
             outputs.append(ids)
             lps.append([float(first.logprobs[i]), *(float(x) for x in rest.logprobs[i, :n])])
+            top_ids.append([first.top_ids[i].tolist(), *rest.top_ids[i, :n].tolist()])
             tops.append([first.top_logprobs[i].tolist(), *rest.top_logprobs[i, :n].tolist()])
             reasons.append("eos" if eos is not None and ids[-1] == eos else "length")
         return Generation([list(p) for p in prompts], outputs, lps, reasons, t1 - t0, t2 - t1,
-                          steps, tops if top_n else None)
+                          steps, *((top_ids, tops) if top_n else (None, None)))
 
 
     def _insert_one_by_one(self, prompts: Sequence[Sequence[int]], batch: int,
@@ -624,7 +628,7 @@ class Engine:
         inactive)."""
         pool = self.new_pool(batch)
         ids, lps = np.zeros(batch, np.int32), np.zeros(batch, np.float32)
-        top = np.zeros((batch, top_n), np.float32)
+        top_ids, top = np.zeros((batch, top_n), np.int32), np.zeros((batch, top_n), np.float32)
         active = np.zeros(batch, bool)
         for i, prompt in enumerate(prompts):
             prefix = self.prefill([prompt], self.ctx.size("batch"), cache)
@@ -633,9 +637,9 @@ class Engine:
             pool, one = self.insert(pool, prefix, [i] + [-1] * (rows - 1),
                                     [limits[i]] + [1] * (rows - 1),
                                     np.repeat(stop[i:i + 1], rows, axis=0), row, top_n)
-            ids[i], lps[i], top[i], active[i] = (one.ids[0], one.logprobs[0],
-                                                 one.top_logprobs[0], one.active[0])
-        return pool, Tokens(ids, lps, None, top, np.ones(batch, np.int32), active)
+            ids[i], lps[i], top_ids[i], top[i], active[i] = (
+                one.ids[0], one.logprobs[0], one.top_ids[0], one.top_logprobs[0], one.active[0])
+        return pool, Tokens(ids, lps, top_ids, top, np.ones(batch, np.int32), active)
 
 
 # ---- the programs (pure; the engine jits them with its graphdef bound) -------------------------

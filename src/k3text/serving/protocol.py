@@ -74,7 +74,11 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_choice": _absent_or(),
     "guided_grammar": _absent_or(),
     "logits_processors": _absent_or(),
-    "return_tokens_as_token_ids": _absent_or(False),
+    "prompt_embeds": _absent_or(),
+    "vllm_xargs": _absent_or({}),
+    "reasoning_effort": _absent_or(),  # OpenAI's reasoning models; this model has no such mode
+    "verbosity": _absent_or(),
+    "web_search_options": _absent_or(),
 }
 UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
     "suffix": _absent_or(""),
@@ -147,6 +151,7 @@ class Parsed:
     include_usage: bool
     return_token_ids: bool
     chat: bool
+    tokens_as_ids: bool = False  # `return_tokens_as_token_ids`: log-probabilities name ids
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     ignored: tuple[str, ...] = ()  # fields the request gave that nothing here reads (sorted)
 
@@ -401,6 +406,7 @@ class Protocol:
         include_usage, unread_options = self._stream_options(body, stream)
         return Parsed(ids, params, stream, include_usage,
                       _bool(body, "return_token_ids", False), chat=chat,
+                      tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),
                       ignored=body.unread() + unread_options)
 
     def completion(self, body: Any) -> Parsed:
@@ -487,27 +493,40 @@ class Protocol:
         (each token's own text, as `tokens` lists it)."""
         return sum(len(self._text(t)) for t in delta.ids)
 
-    def _logprobs(self, deltas: list[Delta], chat: bool, offset: int = 0,
+    def _logprobs(self, deltas: list[Delta], parsed: Parsed, offset: int = 0,
                   ) -> dict[str, Any] | None:
         """The choice's `logprobs` for `deltas`; `offset`: the characters before them (a
-        stream's earlier chunks)."""
+        stream's earlier chunks). Tokens are named by their text, or with
+        `return_tokens_as_token_ids` (vLLM's) as "token_id:N", which tells apart ids whose
+        text is the same (special ids, bytes that end inside a character)."""
         if not deltas or deltas[0].top is None:
             return None
         ids = [t for d in deltas for t in d.ids]
         lps = [x for d in deltas for x in d.logprobs]
         tops = [t for d in deltas for t in d.top]
-        if chat:
+        name = (lambda t: f"token_id:{t}") if parsed.tokens_as_ids else self._text
+        if parsed.chat:
             return {"content": [
-                {"token": self._text(t), "logprob": lp, "bytes": self._bytes(t),
-                 "top_logprobs": [{"token": self._text(a), "logprob": b, "bytes": self._bytes(a)}
+                {"token": name(t), "logprob": lp, "bytes": self._bytes(t),
+                 "top_logprobs": [{"token": name(a), "logprob": b, "bytes": self._bytes(a)}
                                   for a, b in top]}
                 for t, lp, top in zip(ids, lps, tops, strict=True)]}
         offsets = []
         for t in ids:
             offsets.append(offset)
             offset += len(self._text(t))
-        return {"tokens": [self._text(t) for t in ids], "token_logprobs": lps,
-                "top_logprobs": [{self._text(a): b for a, b in top} for top in tops],
+
+        def top_entries(top: list[tuple[int, float]], chosen: int, lp: float) -> dict:
+            # Most likely first, so where two ids share a name the likelier one's value stays;
+            # then the chosen token, as OpenAI's completions list it (N + 1 entries at most).
+            entries: dict[str, float] = {}
+            for a, b in [*top, (chosen, lp)]:
+                entries.setdefault(name(a), b)
+            return entries
+
+        return {"tokens": [name(t) for t in ids], "token_logprobs": lps,
+                "top_logprobs": [top_entries(top, t, lp)
+                                 for t, lp, top in zip(ids, lps, tops, strict=True)],
                 "text_offset": offsets}
 
     def usage(self, finished: Finished) -> dict[str, int]:
@@ -519,7 +538,7 @@ class Protocol:
                  finished: Finished) -> dict[str, Any]:
         text = "".join(d.text for d in deltas)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finished.reason,
-                                  "logprobs": self._logprobs(deltas, parsed.chat)}
+                                  "logprobs": self._logprobs(deltas, parsed)}
         if parsed.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -547,7 +566,7 @@ class Protocol:
         """A stream chunk: `delta`'s tokens (`offset`: the characters streamed before them),
         or the finish with no tokens."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
-                                  "logprobs": self._logprobs([delta], parsed.chat, offset)
+                                  "logprobs": self._logprobs([delta], parsed, offset)
                                   if delta else None}
         text = delta.text if delta else ""
         if parsed.chat:

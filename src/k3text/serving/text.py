@@ -34,11 +34,18 @@ class TextStream:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
-        self.sent = 0  # characters of the text already released
-        self.text = ""
         self.stopped = False  # a stop string was found; `text` ends before it
         self.kept = 0  # how many tokens of the last `add` were kept
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # The text, as the pieces already released and the rest. No stop string can begin in
+        # the released text (`_held_back` keeps any tail that may begin one), so the search
+        # for one and the text's growth touch only the rest, which stays short.
+        self._sent: list[str] = []
+        self._rest = ""
+
+    @property
+    def text(self) -> str:
+        return "".join(self._sent) + self._rest
 
     def _bytes(self, token: int) -> bytes:
         if self.tokenizer is None or token >= self.tokenizer.vocab_size:
@@ -47,12 +54,12 @@ class TextStream:
 
     def _extend(self, piece: str) -> None:
         """Append `piece` to the text and stop at the first stop string it completes."""
-        searched = len(self.text)
-        self.text += piece
+        searched = len(self._rest)
+        self._rest += piece
         hits = [at for stop in self.stop
-                if (at := self.text.find(stop, max(0, searched - len(stop) + 1))) >= 0]
+                if (at := self._rest.find(stop, max(0, searched - len(stop) + 1))) >= 0]
         if hits:
-            self.text, self.stopped = self.text[:min(hits)], True
+            self._rest, self.stopped = self._rest[:min(hits)], True
 
     def add(self, ids: Sequence[int], final: bool = False) -> str:
         """Add tokens; returns the text that is now safe to send. `final` releases the rest.
@@ -69,12 +76,12 @@ class TextStream:
                 break
         if final and not self.stopped:
             self._extend(self._utf8.decode(b"", final=True))  # an unfinished character
-        ready = len(self.text)
+        ready = len(self._rest)
         if not (self.stopped or final):
-            ready -= _held_back(self.text, self.stop)
-        ready = max(ready, self.sent)
-        piece = self.text[self.sent:ready]
-        self.sent = ready
+            ready -= _held_back(self._rest, self.stop)
+        piece, self._rest = self._rest[:ready], self._rest[ready:]
+        if piece:
+            self._sent.append(piece)
         return piece
 
 

@@ -118,6 +118,9 @@ def parser(prog: str, doc: str, tool_keys: Mapping[str, str] | None = None,
     return p
 
 
+TOOL_KEY_MAX = 2 ** 53
+
+
 def split_tool_keys(items: Sequence[str], names: Sequence[str],
                     ) -> tuple[list[str], dict[str, int]]:
     """(config overrides, {tool key: int}) from the key=value items."""
@@ -133,6 +136,8 @@ def split_tool_keys(items: Sequence[str], names: Sequence[str],
             raise ConfigError(f"'{item}': {key.strip()} must be an integer") from None
         if values[key.strip()] < 0:
             raise ConfigError(f"'{item}': {key.strip()} must be >= 0")
+        if values[key.strip()] > TOOL_KEY_MAX:  # the tools' arithmetic is in floats
+            raise ConfigError(f"'{item}': {key.strip()} must be at most 2**53")
     return overrides, values
 
 

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from k3text.config import Config
+from k3text.config import Config, ConfigError
 from k3text.models.state import bytes_per_sequence
 from k3text.ops import mxfp4
 from k3text.tools import cli, inventory
@@ -362,6 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "its collectives per step with the v7x-16 per-call latency band")
 
     def body(args: argparse.Namespace, cfg: Config, values: dict[str, int]) -> str:
+        if values.get("context", 1) < 1:
+            raise ConfigError(f"context={values['context']}: must be at least 1")
         hardware = HARDWARE[args.hardware]
         chips = args.chips or max(1, cfg.num_devices // hardware.devices_per_chip)
         machine = Machine(hardware, chips)
