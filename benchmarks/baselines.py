@@ -752,7 +752,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # each finished section's files are already whole on disk
         print(f"interrupted; sections written: {', '.join(written) or 'none'}", file=sys.stderr)
         return 130
-    except OSError as e:  # a results file that could not be written (a full disk)
+    except (ValueError, OSError) as e:  # a results file not written (a full disk, or one
+        # that appeared meanwhile: OutputError)
         print(f"error: {e}; sections written: {', '.join(written) or 'none'}", file=sys.stderr)
         return files.exit_status(e)
     print(f"wrote {', '.join(f'{s}.jsonl/.csv/.png' for s in args.only)} in {args.out}")

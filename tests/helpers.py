@@ -74,19 +74,19 @@ def assert_same_greedy(got: Sequence[Sequence[int]], want: Sequence[Sequence[int
                        atol: float = 1e-4, where: str = "") -> list[int]:
     """Two programs' greedy tokens for each prompt are the same, and so are their
     log-probabilities (within `atol`, where given), except from a near tie on: at the first
-    token where the two part, `tops` (either program's highest log-probabilities per token,
-    highest first: up to there both saw the same context) must show the top two within
-    NEAR_TIE. A parting anywhere else, or without `tops` to judge it, fails. Returns how many
-    tokens the two share per prompt (all of `want`'s where they never part)."""
+    token where the two part (where one stops and the other goes on, when it is a prefix of
+    the other: a stop token chosen at a near tie and left out), `tops` (either program's
+    highest log-probabilities per token, highest first: up to there both saw the same context)
+    must show the top two within NEAR_TIE. A parting anywhere else, or without `tops` to judge
+    it (None, or no entry at that token), fails. Returns how many tokens the two share per
+    prompt (all of `want`'s where they never part)."""
     shared = []
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         a, b = list(a), list(b)
-        at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-        if at is None:
-            assert len(a) == len(b), f"{where}prompt {i}: {a} and {b} stop at different lengths"
-            at = len(a)
-        else:
-            top = tops[i][at] if tops is not None else []
+        at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                  min(len(a), len(b)))
+        if at < max(len(a), len(b)):
+            top = tops[i][at] if tops is not None and at < len(tops[i]) else []
             gap = top[0] - top[1] if len(top) > 1 else float("inf")
             assert gap < NEAR_TIE, (
                 f"{where}prompt {i}: {a} != {b} from token {at}, where the two highest "

@@ -94,12 +94,14 @@ class Server:
 
 def offline_decode(tmp_path: Path, config: str, prompts: list[list[int]], max_steps: int,
                    *overrides: str, cache: str | Path = XLA_CACHE) -> list[dict]:
-    """`python -m k3text.decode` on token-id prompts; its JSONL records in input order."""
+    """`python -m k3text.decode` on token-id prompts; its JSONL records in input order, with
+    each token's log-probability and top two."""
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
     out = tmp_path / "offline.jsonl"
     args = [sys.executable, "-m", "k3text.decode", config, f"prompts_file={prompts_file}",
-            f"output_file={out}", "return_log_prob=true", f"max_decode_steps={max_steps}",
+            f"output_file={out}", "return_log_prob=true", "return_top_logprobs=2",
+            f"max_decode_steps={max_steps}",
             f"compilation_cache_dir={cache}", *overrides]
     run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900,
                          env={**os.environ})

@@ -152,7 +152,6 @@ def _serve_load_interrupted(args: list[str], log: Path, marker: str,
     return proc, stdout, children
 
 
-@pytest.mark.slow
 def test_benchmarks_end_bad_input_and_failures_in_one_line(tmp_path, monkeypatch, capsys):
     """`benchlib.run_checked` (collectives, layouts): a bad input exits 2, the machine's failure
     1, Ctrl-C 130, each one line; serve_load refuses a config without a tokenizer before any
@@ -193,6 +192,7 @@ def test_benchmarks_end_bad_input_and_failures_in_one_line(tmp_path, monkeypatch
     assert "--shared-prefix does not take --rates" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_serve_load_prints_the_targets_and_keeps_whole_rounds_on_ctrl_c(tmp_path):
     """`benchmarks/serve_load.py` end to end, small (8 requests, one Poisson rate, two
     interleaved rounds of saturation and the offline baselines), with Ctrl-C once the first

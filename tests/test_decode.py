@@ -134,9 +134,9 @@ def test_ragged_batch_equals_one_by_one(setup):
 
 
 def test_greedy_outputs_may_part_only_at_a_near_tie():
-    """The comparison every sharded/unsharded, batched/alone test uses: tokens may part only
-    where the two highest log-probabilities are within NEAR_TIE, log-probabilities compared up
-    to there; a parting anywhere else, or an early stop, fails."""
+    """The comparison every sharded/unsharded, batched/alone test uses: tokens may part (or one
+    stop where the other goes on) only where the two highest log-probabilities are within
+    NEAR_TIE, log-probabilities compared up to there; a parting anywhere else fails."""
     want, tops = [[4, 5, 6, 7]], [[[-0.1, -3.0], [-0.7, -0.7004], [-0.2, -2.0], [-0.3, -1.5]]]
     lps = [[-0.1, -0.7, -0.2, -0.3]]
     assert assert_same_greedy(want, want, tops, lps, lps) == [4]
@@ -145,8 +145,13 @@ def test_greedy_outputs_may_part_only_at_a_near_tie():
         assert_same_greedy([[4, 5, 9, 7]], want, tops)
     with pytest.raises(AssertionError, match="from token 1"):  # no top log-probabilities
         assert_same_greedy([[4, 9, 6, 7]], want, None)
-    with pytest.raises(AssertionError, match="stop at different lengths"):
+    # One stops where the other goes on: a parting too (a stop token left out).
+    with pytest.raises(AssertionError, match="from token 3, where the two highest .* 1.2 apart"):
         assert_same_greedy([[4, 5, 6]], want, tops)
+    assert assert_same_greedy([[4]], want, tops) == [1] and \
+        assert_same_greedy(want, [[4]], tops) == [1]  # token 1 was a near tie
+    with pytest.raises(AssertionError, match="from token 4, where .* inf apart"):
+        assert_same_greedy([[4, 5, 6, 7, 8]], want, tops)  # no top log-probabilities there
     with pytest.raises(AssertionError, match="prompt 0"):  # before the parting
         assert_same_greedy([[4, 9, 1, 1]], want, tops, [[-0.2, -0.7004, -5, -5]], lps)
 

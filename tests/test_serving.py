@@ -247,7 +247,7 @@ def test_the_scheduler_prefills_through_buckets_like_whole_chunks(tiny):
     """With `prefill_buckets`, groups whose prompts end early run narrower calls (each width
     seen), and every request's tokens and log-probabilities equal those served with whole
     chunks only; two prompts per group, so a group's width follows its longest prompt."""
-    from test_prefix_cache import serve  # the in-process scheduler driver
+    from test_prefix_cache import greedy_tops, serve  # the in-process scheduler driver
 
     cfg, _ = tiny
     rng = np.random.default_rng(4)
@@ -265,7 +265,7 @@ def test_the_scheduler_prefills_through_buckets_like_whole_chunks(tiny):
         assert widths == {f"2 x {w} tokens" for w in (*buckets, 32)}, widths
     whole, narrow = served[0], served[2]  # log-probabilities: shape rounding
     assert_same_greedy([r["ids"] for r in narrow], [r["ids"] for r in whole],
-                       [r["top"] for r in whole], [r["lps"] for r in narrow],
+                       greedy_tops(whole), [r["lps"] for r in narrow],
                        [r["lps"] for r in whole])
 
 
@@ -1339,7 +1339,8 @@ def test_openai_client_greedy_equals_offline_decode(shipped):
     for i in (0, 1, 5, 11):
         r = client.completions.create(model="k3-small", prompt=prompts[i], max_tokens=MAX_STEPS,
                                       temperature=0, logprobs=2,
-                                      extra_body={"return_token_ids": True})
+                                      extra_body={"return_token_ids": True,
+                                                  "return_tokens_as_token_ids": True})
         assert r.usage.prompt_tokens == len(prompts[i])
         if not check_greedy(r.choices[0].model_dump(), reference[i], MAX_STEPS, f"prompt {i}"):
             continue  # parted at a near tie: what follows it differs rightly
@@ -1608,8 +1609,9 @@ def _request_plan(prompts: list[list[int]], n: int, seed: int = 0) -> list[dict]
 
 
 def _body(prompts, item, model):
+    # Top log-probabilities keyed by id: two ids of one text would share a key (`check_greedy`).
     body = {"model": model, "prompt": prompts[item["prompt"]], "max_tokens": item["max_tokens"],
-            "return_token_ids": True, "logprobs": 2}
+            "return_token_ids": True, "logprobs": 2, "return_tokens_as_token_ids": True}
     if item["sampled"]:
         body.update(temperature=0.8, top_p=0.95, top_k=50, seed=item["seed"])
     else:
@@ -1647,11 +1649,12 @@ async def _send(client, prompts, item, model) -> dict | None:
 
 
 def check_greedy(choice: dict, record: dict, max_tokens: int, where: str) -> bool:
-    """A greedy completion (asked with logprobs >= 2) equals the offline decode's `record`, but
-    from a near tie on; whether it equals it whole."""
+    """A greedy completion (asked with logprobs) equals the offline decode's `record`, but from
+    a near tie on (judged by the record's top log-probabilities, which cover a stop token the
+    completion leaves out); whether it equals it whole."""
     ids, reason = expected_greedy(record, max_tokens)
     got, logprobs = choice["token_ids"], choice["logprobs"]
-    tops = [sorted(top.values(), reverse=True) for top in logprobs["top_logprobs"]]
+    tops = [[lp for _, lp in top] for top in record["output_top_logprobs"]]
     [shared] = assert_same_greedy([got], [ids], [tops], [logprobs["token_logprobs"]],
                                   [record["output_logprobs"]], where=f"{where}: ")
     if shared < len(ids):
