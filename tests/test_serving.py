@@ -1348,6 +1348,42 @@ def test_openai_client_greedy_equals_offline_decode(shipped):
         assert r.choices[0].text == reference[i]["output_text"]
 
 
+def test_tokenize_and_detokenize(shipped, tokenizer):
+    """vLLM's `/tokenize` gives the prompt ids the generation endpoints run (read back from
+    them with `return_token_ids`), at any length; `/detokenize` the text of ids; bad input is
+    a 400 naming the field, another model a 404."""
+    server, _, _ = shipped
+    post = lambda path, body: httpx.post(server.url + path, json=body, timeout=60)  # noqa: E731
+    text = "The capital of Zapouvia is"
+    messages = [{"role": "user", "content": text}]
+    length = httpx.get(server.url + "/v1/models", timeout=60).json()["data"][0]["max_model_len"]
+    for body, endpoint in (({"prompt": text}, "/v1/completions"),
+                           ({"messages": messages}, "/v1/chat/completions")):
+        r = post("/tokenize", {"model": "k3-small", **body})
+        assert r.status_code == 200, r.text
+        served = post(endpoint, {"model": "k3-small", **body, "max_tokens": 1,
+                                 "return_token_ids": True}).json()
+        assert r.json() == {"count": len(served["prompt_token_ids"]), "max_model_len": length,
+                            "tokens": served["prompt_token_ids"]}
+    ids = post("/tokenize", {"prompt": text}).json()["tokens"]  # `model` is optional
+    assert ids[1:] == tokenizer.encode(text)
+    assert post("/detokenize", {"tokens": ids[1:]}).json() == {"prompt": text}
+    long = " ".join(["word"] * 100)  # past max_prefill_predict_length (64): counted all the same
+    count = post("/tokenize", {"prompt": long}).json()["count"]
+    assert count == 1 + len(tokenizer.encode(long)) > 64
+    assert post("/v1/completions", {"model": "k3-small", "prompt": long}).status_code == 400
+    for path, body, status, param in (
+            ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+            ("/tokenize", {"prompt": 5}, 400, "prompt"),
+            ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+            ("/detokenize", {"tokens": [5, -1]}, 400, "tokens"),
+            ("/detokenize", {"tokens": "abc"}, 400, "tokens")):
+        r = post(path, body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
+    r = httpx.post(server.url + "/tokenize", content=b"{", timeout=60)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
 def test_text_prompt_and_chat(shipped, tokenizer):
     server, _, _ = shipped
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,

@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -124,11 +124,43 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse(e.body(), status_code=e.status)
         return JSONResponse(model_card())
 
-    def parse(raw: bytes, chat: bool) -> Parsed:
+    def load_json(raw: bytes) -> Any:
         try:
-            body = json.loads(raw)
+            return json.loads(raw)
         except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, huge ints, deep nests
             raise RequestError(f"the request body is not valid JSON ({e})") from None
+
+    def too_large() -> JSONResponse:
+        return _error(f"the request body is larger than {state.max_body_bytes:,} bytes, more "
+                      f"than any prompt this server takes (max_prefill_predict_length="
+                      f"{protocol.cfg.max_prefill_predict_length} tokens)", 413,
+                      "invalid_request_error")
+
+    async def answer(request: Request, handle: Callable[[Any], dict[str, Any]]) -> Response:
+        """`/tokenize` and `/detokenize`: `handle(body)` on a worker thread, as the generation
+        endpoints parse theirs; they need no scheduler, so they answer during start-up too."""
+        try:
+            raw = await _read_body(request, state.max_body_bytes)
+        except _TooLarge:
+            return too_large()
+        try:
+            return JSONResponse(await asyncio.to_thread(lambda: handle(load_json(raw))))
+        except RequestError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        def handle(body: Any) -> dict[str, Any]:
+            ids = protocol.tokenize(body)
+            return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        return await answer(request, handle)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await answer(request, lambda body: {"prompt": protocol.detokenize(body)})
+
+    def parse(raw: bytes, chat: bool) -> Parsed:
+        body = load_json(raw)
         return protocol.chat(body) if chat else protocol.completion(body)
 
     async def serve(request: Request, chat: bool) -> Response:
@@ -139,10 +171,7 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             raw = await _read_body(request, state.max_body_bytes)
         except _TooLarge:
-            return _error(f"the request body is larger than {state.max_body_bytes:,} bytes, "
-                          f"more than any prompt this server takes (max_prefill_predict_length="
-                          f"{protocol.cfg.max_prefill_predict_length} tokens)", 413,
-                          "invalid_request_error")
+            return too_large()
         try:
             parsed = await asyncio.to_thread(parse, raw, chat)
         except RequestError as e:

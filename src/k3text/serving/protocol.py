@@ -412,6 +412,14 @@ class Protocol:
     def completion(self, body: Any) -> Parsed:
         body = self._common(body)
         _refuse_unsupported(body, UNSUPPORTED_COMPLETION)
+        ids = self._check_prompt(self._completion_prompt(body), "prompt")
+        logprobs = _int(body, "logprobs", None, 0, self.cfg.serve_max_logprobs)
+        stream = _bool(body, "stream", False)
+        return self._parsed(body, ids, self._sampling(body, len(ids), logprobs, "prompt"),
+                            stream, chat=False)
+
+    def _completion_prompt(self, body: _Read) -> list[int]:
+        """A completions request's prompt ids (bos first for text when the config adds one)."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(p, list | str)
                                                        for p in prompt):
@@ -430,15 +438,22 @@ class Protocol:
         else:
             raise RequestError(f"'prompt' must be a string or a list of token ids, got "
                                f"{_type_name(prompt)}", "prompt")
-        ids = self._check_prompt(ids, "prompt")
-        logprobs = _int(body, "logprobs", None, 0, self.cfg.serve_max_logprobs)
-        stream = _bool(body, "stream", False)
-        return self._parsed(body, ids, self._sampling(body, len(ids), logprobs, "prompt"),
-                            stream, chat=False)
+        return ids
 
     def chat(self, body: Any) -> Parsed:
         body = self._common(body)
         _refuse_unsupported(body, UNSUPPORTED_CHAT)
+        ids = self._check_prompt(self._chat_prompt(body), "messages")
+        want = _bool(body, "logprobs", False)
+        top = _int(body, "top_logprobs", None, 0, self.cfg.serve_max_logprobs)
+        if top is not None and not want:
+            raise RequestError("'top_logprobs' needs logprobs=true", "top_logprobs")
+        stream = _bool(body, "stream", False)
+        return self._parsed(body, ids, self._sampling(
+            body, len(ids), (top or 0) if want else None, "messages"), stream, chat=True)
+
+    def _chat_prompt(self, body: _Read) -> list[int]:
+        """A chat request's `messages`, checked and rendered by the chat template, as ids."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list", "messages")
@@ -466,15 +481,40 @@ class Protocol:
                                        "messages")
                 message["name"] = m["name"]
             checked.append(message)
-        ids = self._encode_chat(checked)
-        ids = self._check_prompt(ids, "messages")
-        want = _bool(body, "logprobs", False)
-        top = _int(body, "top_logprobs", None, 0, self.cfg.serve_max_logprobs)
-        if top is not None and not want:
-            raise RequestError("'top_logprobs' needs logprobs=true", "top_logprobs")
-        stream = _bool(body, "stream", False)
-        return self._parsed(body, ids, self._sampling(
-            body, len(ids), (top or 0) if want else None, "messages"), stream, chat=True)
+        return self._encode_chat(checked)
+
+    def _tool_body(self, body: Any) -> _Read:
+        """`/tokenize` and `/detokenize`: a JSON object whose `model`, optional there as in
+        vLLM, is this server's."""
+        if not isinstance(body, dict):
+            raise RequestError(f"the request body must be a JSON object, got "
+                               f"{_type_name(body)}")
+        body = _Read(body)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError(f"'model' must be a string, got {_type_name(model)}", "model")
+        if model is not None and model != self.model_name:
+            raise self.unknown_model(model)
+        return body
+
+    def tokenize(self, body: Any) -> list[int]:
+        """The prompt ids a completions request (`prompt`) or a chat request (`messages`) would
+        run, as vLLM's `/tokenize` gives them: at any length, so a client can tell that a
+        prompt is too long before sending it."""
+        body = self._tool_body(body)
+        return self._chat_prompt(body) if "messages" in body else self._completion_prompt(body)
+
+    def detokenize(self, body: Any) -> str:
+        """The text of `tokens` (ids past the tokenizer's vocabulary, padding, have none)."""
+        body = self._tool_body(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            raise RequestError(f"'tokens' must be a list of token ids, got "
+                               f"{_type_name(tokens)}", "tokens")
+        ids = _check_ids(tokens, "tokens", self.cfg.vocab_size, "a list of token ids")
+        if self.tokenizer is None:
+            raise RequestError("the server has no tokenizer (tokenizer_type: none)", "tokens")
+        return self.tokenizer.decode([t for t in ids if t < self.tokenizer.vocab_size])
 
     # ---- responses ------------------------------------------------------------------------
 
