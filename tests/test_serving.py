@@ -1367,6 +1367,8 @@ def test_tokenize_and_detokenize(shipped, tokenizer):
                             "tokens": served["prompt_token_ids"]}
     ids = post("/tokenize", {"prompt": text}).json()["tokens"]  # `model` is optional
     assert ids[1:] == tokenizer.encode(text)
+    strs = post("/tokenize", {"prompt": text, "return_token_strs": True}).json()["token_strs"]
+    assert len(strs) == len(ids) and "".join(strs) == text  # bos has no text
     assert post("/detokenize", {"tokens": ids[1:]}).json() == {"prompt": text}
     long = " ".join(["word"] * 100)  # past max_prefill_predict_length (64): counted all the same
     count = post("/tokenize", {"prompt": long}).json()["count"]
@@ -1376,6 +1378,10 @@ def test_tokenize_and_detokenize(shipped, tokenizer):
             ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
             ("/tokenize", {"prompt": 5}, 400, "prompt"),
             ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+            ("/tokenize", {"prompt": "x", "add_special_tokens": False}, 400,
+             "add_special_tokens"),
+            ("/tokenize", {"messages": messages, "add_generation_prompt": False}, 400,
+             "add_generation_prompt"),
             ("/detokenize", {"tokens": [5, -1]}, 400, "tokens"),
             ("/detokenize", {"tokens": "abc"}, 400, "tokens")):
         r = post(path, body)

@@ -2,7 +2,8 @@
 
 `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream`: server-sent events
 ending with `data: [DONE]`), `GET /v1/models` and `/v1/models/{id}`, `GET /health` (200 once the
-weights are loaded and the programs compiled, 503 before), `GET /metrics` (Prometheus text).
+weights are loaded and the programs compiled, 503 before), `GET /metrics` (Prometheus text),
+and vLLM's `POST /tokenize` and `/detokenize` (answered during start-up too).
 
 Requests are checked by `Protocol` before they reach the scheduler, on a worker thread (a long
 prompt's tokenization never stalls the streams the event loop serves): a bad one gets a 400
@@ -136,28 +137,40 @@ def create_app(state: ServerState) -> FastAPI:
                       f"{protocol.cfg.max_prefill_predict_length} tokens)", 413,
                       "invalid_request_error")
 
-    async def answer(request: Request, handle: Callable[[Any], dict[str, Any]]) -> Response:
-        """`/tokenize` and `/detokenize`: `handle(body)` on a worker thread, as the generation
-        endpoints parse theirs; they need no scheduler, so they answer during start-up too."""
+    def warn_ignored(ignored: tuple[str, ...]) -> None:
+        if ignored:  # a client's names: a few, cut short, so no request floods the log
+            names = [name[:40] for name in ignored[:8]]
+            more = len(ignored) - len(names)
+            log.warning("request fields this server does not read, ignored: %s%s",
+                        ", ".join(names), f" and {more} more" if more else "")
+
+    async def answer(request: Request,
+                     handle: Callable[[Any], tuple[dict[str, Any], tuple[str, ...]]],
+                     ) -> Response:
+        """`/tokenize` and `/detokenize`: `handle(body)` (the response and the fields nothing
+        read) on a worker thread, as the generation endpoints parse theirs; they need no
+        scheduler, so they answer during start-up too."""
         try:
             raw = await _read_body(request, state.max_body_bytes)
         except _TooLarge:
             return too_large()
         try:
-            return JSONResponse(await asyncio.to_thread(lambda: handle(load_json(raw))))
+            out, ignored = await asyncio.to_thread(lambda: handle(load_json(raw)))
         except RequestError as e:
             return JSONResponse(e.body(), status_code=e.status)
+        warn_ignored(ignored)
+        return JSONResponse(out)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        def handle(body: Any) -> dict[str, Any]:
-            ids = protocol.tokenize(body)
-            return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        def handle(body: Any) -> tuple[dict[str, Any], tuple[str, ...]]:
+            out, ignored = protocol.tokenize(body)
+            return {**out, "max_model_len": state.max_model_len}, ignored
         return await answer(request, handle)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        return await answer(request, lambda body: {"prompt": protocol.detokenize(body)})
+        return await answer(request, protocol.detokenize)
 
     def parse(raw: bytes, chat: bool) -> Parsed:
         body = load_json(raw)
@@ -176,11 +189,7 @@ def create_app(state: ServerState) -> FastAPI:
             parsed = await asyncio.to_thread(parse, raw, chat)
         except RequestError as e:
             return JSONResponse(e.body(), status_code=e.status)
-        if parsed.ignored:  # a client's names: a few, cut short, so no request floods the log
-            names = [name[:40] for name in parsed.ignored[:8]]
-            more = len(parsed.ignored) - len(names)
-            log.warning("request fields this server does not read, ignored: %s%s",
-                        ", ".join(names), f" and {more} more" if more else "")
+        warn_ignored(parsed.ignored)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Delta | Finished] = asyncio.Queue()
         job = Job(parsed.prompt_ids, parsed.params,

@@ -497,15 +497,25 @@ class Protocol:
             raise self.unknown_model(model)
         return body
 
-    def tokenize(self, body: Any) -> list[int]:
-        """The prompt ids a completions request (`prompt`) or a chat request (`messages`) would
-        run, as vLLM's `/tokenize` gives them: at any length, so a client can tell that a
-        prompt is too long before sending it."""
+    def tokenize(self, body: Any) -> tuple[dict[str, Any], tuple[str, ...]]:
+        """vLLM's `/tokenize`: the prompt ids a completions request (`prompt`) or a chat
+        request (`messages`) would run, past `max_prefill_predict_length` too, so a client can
+        tell that a prompt is too long before sending it; with `return_token_strs` each id's
+        text. The fields the generation endpoints refuse are refused here too. Returns the
+        response (`max_model_len` added by the caller) and the fields nothing read."""
         body = self._tool_body(body)
-        return self._chat_prompt(body) if "messages" in body else self._completion_prompt(body)
+        chat = "messages" in body
+        _refuse_unsupported(body, UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETION)
+        ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
+        out: dict[str, Any] = {"count": len(ids), "tokens": ids}
+        if _bool(body, "return_token_strs", False):
+            out["token_strs"] = [self._text(t) for t in ids]
+        return out, body.unread()
 
-    def detokenize(self, body: Any) -> str:
-        """The text of `tokens` (ids past the tokenizer's vocabulary, padding, have none)."""
+    def detokenize(self, body: Any) -> tuple[dict[str, Any], tuple[str, ...]]:
+        """vLLM's `/detokenize`: the text of `tokens`, as the generation endpoints' text has
+        it (special ids such as bos, and padding ids past the tokenizer's vocabulary, have
+        none). Returns the response and the fields nothing read."""
         body = self._tool_body(body)
         tokens = body.get("tokens")
         if not isinstance(tokens, list):
@@ -514,7 +524,8 @@ class Protocol:
         ids = _check_ids(tokens, "tokens", self.cfg.vocab_size, "a list of token ids")
         if self.tokenizer is None:
             raise RequestError("the server has no tokenizer (tokenizer_type: none)", "tokens")
-        return self.tokenizer.decode([t for t in ids if t < self.tokenizer.vocab_size])
+        text = self.tokenizer.decode([t for t in ids if t < self.tokenizer.vocab_size])
+        return {"prompt": text}, body.unread()
 
     # ---- responses ------------------------------------------------------------------------
 
