@@ -296,19 +296,26 @@ class Protocol:
             at = b
         return ids + self._encode_text(rendered[at:], "messages")
 
-    def _common(self, body: Any) -> _Read:
-        """The checks every endpoint makes; the body, recording the fields read from it."""
+    def _body(self, body: Any, model_required: bool = True) -> _Read:
+        """A request's JSON object, recording the fields read from it, whose `model` is this
+        server's (optional for `/tokenize` and `/detokenize`, as in vLLM)."""
         if not isinstance(body, dict):
             raise RequestError(f"the request body must be a JSON object, got "
                                f"{_type_name(body)}")
         body = _Read(body)
         model = body.get("model")
         if model is None:
-            raise RequestError("'model' is required", "model")
-        if not isinstance(model, str):
+            if model_required:
+                raise RequestError("'model' is required", "model")
+        elif not isinstance(model, str):
             raise RequestError(f"'model' must be a string, got {_type_name(model)}", "model")
-        if model != self.model_name:
+        elif model != self.model_name:
             raise self.unknown_model(model)
+        return body
+
+    def _common(self, body: Any) -> _Read:
+        """The checks every generation request gets; the body, recording the fields read."""
+        body = self._body(body)
         if _int(body, "n", 1, 1) != 1:
             raise RequestError("only n=1 is supported; send one request per completion", "n")
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
@@ -483,27 +490,13 @@ class Protocol:
             checked.append(message)
         return self._encode_chat(checked)
 
-    def _tool_body(self, body: Any) -> _Read:
-        """`/tokenize` and `/detokenize`: a JSON object whose `model`, optional there as in
-        vLLM, is this server's."""
-        if not isinstance(body, dict):
-            raise RequestError(f"the request body must be a JSON object, got "
-                               f"{_type_name(body)}")
-        body = _Read(body)
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise RequestError(f"'model' must be a string, got {_type_name(model)}", "model")
-        if model is not None and model != self.model_name:
-            raise self.unknown_model(model)
-        return body
-
     def tokenize(self, body: Any) -> tuple[dict[str, Any], tuple[str, ...]]:
         """vLLM's `/tokenize`: the prompt ids a completions request (`prompt`) or a chat
         request (`messages`) would run, past `max_prefill_predict_length` too, so a client can
         tell that a prompt is too long before sending it; with `return_token_strs` each id's
         text. The fields the generation endpoints refuse are refused here too. Returns the
         response (`max_model_len` added by the caller) and the fields nothing read."""
-        body = self._tool_body(body)
+        body = self._body(body, model_required=False)
         chat = "messages" in body
         _refuse_unsupported(body, UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETION)
         ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
@@ -516,7 +509,7 @@ class Protocol:
         """vLLM's `/detokenize`: the text of `tokens`, as the generation endpoints' text has
         it (special ids such as bos, and padding ids past the tokenizer's vocabulary, have
         none). Returns the response and the fields nothing read."""
-        body = self._tool_body(body)
+        body = self._body(body, model_required=False)
         tokens = body.get("tokens")
         if not isinstance(tokens, list):
             raise RequestError(f"'tokens' must be a list of token ids, got "
