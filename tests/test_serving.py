@@ -1111,6 +1111,22 @@ def test_token_limits_and_stop_ids_read_as_openai_means_them(protocol):
     assert e.value.body()["error"]["type"] == "model_not_found"
 
 
+def test_each_of_n_choices_is_seeded_as_vllm_seeds_it(protocol):
+    from k3text.serving.protocol import RequestError
+
+    seeded = _completion(protocol, n=3, seed=2**64 - 2, temperature=0.7)
+    assert seeded.n == 3
+    assert [protocol.choice_params(seeded, i).seed for i in range(3)] == \
+        [2**64 - 2, 2**64 - 1, 2**64]  # the last wraps to 0 where the device reads it
+    assert protocol.choice_params(seeded, 2).temperature == 0.7
+    unseeded = _chat(protocol, [{"role": "user", "content": "x"}], n=2)
+    assert [protocol.choice_params(unseeded, i) for i in range(2)] == [unseeded.params] * 2
+    for bad in (0, -1, 1.5, True, "2", protocol.cfg.max_queued_requests + 1):
+        with pytest.raises(RequestError) as e:
+            _completion(protocol, n=bad)
+        assert e.value.param == "n", bad
+
+
 @pytest.fixture
 def jinja_protocol(tokenizer, tmp_path):
     """The shipped tokenizer under a Jinja chat template that writes its special tokens."""
@@ -1471,6 +1487,75 @@ def test_chat_streaming_over_raw_http(shipped):
     assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
 
 
+def _choices_of_stream(events: list[dict | str], chat: bool) -> dict[int, dict]:
+    """Per choice index of a stream: its text and token ids put together, and its finish."""
+    out: dict[int, dict] = {}
+    for e in events:
+        if e == "[DONE]":
+            continue
+        for c in e["choices"]:
+            got = out.setdefault(c["index"], {"text": "", "token_ids": [], "finish": None})
+            got["text"] += c["delta"].get("content", "") if chat else c["text"]
+            got["token_ids"] += c.get("token_ids") or []
+            if c["finish_reason"]:
+                got["finish"] = c["finish_reason"]
+    return out
+
+
+def test_n_choices_are_the_request_sent_alone_with_seeds_counted_up(shipped):
+    """`n` choices, as vLLM makes them: choice i is the request sent alone with seed + i, and
+    whole or streamed (each choice under its `index`) they are the same; usage counts the
+    prompt once and every choice's tokens."""
+    server, prompts, _ = shipped
+    post = lambda path, body: httpx.post(server.url + path, json=body, timeout=120)  # noqa: E731
+    body = {"model": "k3-small", "prompt": prompts[3], "max_tokens": 8, "temperature": 1.0,
+            "top_k": 40, "seed": 11, "logprobs": 1, "return_token_ids": True,
+            "ignore_eos": True}
+    r = post("/v1/completions", {**body, "n": 3})
+    assert r.status_code == 200, r.text
+    whole = r.json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    for i, choice in enumerate(whole["choices"]):
+        alone = post("/v1/completions", {**body, "seed": 11 + i}).json()["choices"][0]
+        assert {**choice, "index": 0} == alone, i
+    assert whole["usage"] == {"prompt_tokens": len(prompts[3]), "completion_tokens": 24,
+                              "total_tokens": len(prompts[3]) + 24}
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={**body, "n": 3, "stream": True,
+                            "stream_options": {"include_usage": True}}) as s:
+        events = _sse(list(s.iter_lines()))
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"]
+    streamed = _choices_of_stream(events[:-2], chat=False)
+    assert streamed == {i: {"text": c["text"], "token_ids": c["token_ids"],
+                            "finish": c["finish_reason"]}
+                        for i, c in enumerate(whole["choices"])}
+
+    # With the prefix cache (and one prompt per prefill group) the choices after the first
+    # restore the 16-token blocks the first cached: two whole blocks of a 40-token prompt each.
+    fresh = np.random.default_rng(3).integers(3, 500, 40).tolist()
+    before = server.metrics()["k3text_prefix_cache_hit_tokens_total"]
+    r = post("/v1/completions", {**body, "prompt": fresh, "n": 3, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert server.metrics()["k3text_prefix_cache_hit_tokens_total"] - before == 2 * 32
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=120)
+    chat = dict(model="k3-small", messages=[{"role": "user", "content": "8 plus 2 is"}],
+                max_tokens=6, temperature=0, n=2)
+    greedy = client.chat.completions.create(**chat)
+    assert [c.index for c in greedy.choices] == [0, 1]
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    assert greedy.choices[0].message.content == client.chat.completions.create(
+        **{**chat, "n": 1}).choices[0].message.content
+    pieces = list(client.chat.completions.create(**chat, stream=True))
+    roles = [c.choices[0].index for c in pieces if c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]  # each choice opens with its role
+    texts = {i: "".join(c.choices[0].delta.content or "" for c in pieces
+                        if c.choices[0].index == i) for i in (0, 1)}
+    assert texts == {0: greedy.choices[0].message.content,
+                     1: greedy.choices[1].message.content}
+
+
 def test_every_error_is_an_openai_error_object(shipped):
     server, _, _ = shipped
     url = server.url
@@ -1574,7 +1659,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "top_k": 513}, "top_k"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "seed": 1.5}, "seed"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "logprobs": 6}, "logprobs"),
-    ("/v1/completions", {"model": "k3-small", "prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"model": "k3-small", "prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"model": "k3-small", "prompt": "x", "n": 1000}, "n"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "echo": True}, "echo"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "stream": "yes"}, "stream"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "stop": [""]}, "stop"),
@@ -1782,17 +1868,28 @@ def test_startup_503_queue_full_429_and_sigterm_finishes_in_flight(shipped):
         assert r.status_code == 503 and early.status_code == 503, (r.text, early.text)
         server.wait_ready()
 
+        # Every fourth request asks for 2 choices: queued both or neither, each counted.
+        choices = [2 if i % 4 == 3 else 1 for i in range(40)]
+
         async def burst():
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
                 body = {"model": "k3-small", "prompt": [1, 5, 6, 7], "max_tokens": MAX_STEPS,
                         "temperature": 0, "ignore_eos": True}  # slots stay busy
-                return await asyncio.gather(*(client.post("/v1/completions", json=body)
-                                              for _ in range(40)))
+                return await asyncio.gather(*(client.post("/v1/completions",
+                                                          json={**body, "n": n})
+                                              for n in choices))
 
-        codes = [r.status_code for r in asyncio.run(burst())]
+        replies = asyncio.run(burst())
+        codes = [r.status_code for r in replies]
         assert set(codes) == {200, 429} and codes.count(200) >= 2, codes
+        assert all(len(r.json()["choices"]) == n for r, n in zip(replies, choices, strict=True)
+                   if r.status_code == 200)
         metrics = server.metrics()
-        assert metrics['k3text_requests_total{outcome="rejected"}'] == codes.count(429)
+        assert metrics['k3text_requests_total{outcome="rejected"}'] == sum(
+            n for code, n in zip(codes, choices, strict=True) if code == 429)
+        r = httpx.post(server.url + "/v1/completions", timeout=10,
+                       json={"model": "k3-small", "prompt": "x", "n": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
 
         # SIGTERM with a request in flight: it completes, then the process exits 0.
         async def in_flight():

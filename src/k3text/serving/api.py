@@ -9,7 +9,9 @@ Requests are checked by `Protocol` before they reach the scheduler, on a worker 
 prompt's tokenization never stalls the streams the event loop serves): a bad one gets a 400
 naming its field (404 for a model not served, 413 for a body larger than any prompt the server
 takes) and never touches the pool. A full queue answers 429, a server still starting (or
-stopping) 503. A client that disconnects has its request cancelled. Anything unexpected fails
+stopping) 503. A request for `n` choices runs them as `n` requests of the scheduler (queued
+all together or, without room for all, refused), its response or stream holding each choice
+under its `index`. A client that disconnects has its request cancelled. Anything unexpected fails
 only the request it happened in, with a 500, and is logged. Every error is an OpenAI error
 object, unknown paths and methods included.
 """
@@ -191,24 +193,35 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse(e.body(), status_code=e.status)
         warn_ignored(parsed.ignored)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Delta | Finished] = asyncio.Queue()
-        job = Job(parsed.prompt_ids, parsed.params,
-                  lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        # (choice index, event): every choice's events in one queue, in the order they came.
+        events: asyncio.Queue[tuple[int, Delta | Finished]] = asyncio.Queue()
+
+        def sink(index: int) -> Callable[[Delta | Finished], None]:
+            return lambda event: loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+        jobs = [Job(parsed.prompt_ids, protocol.choice_params(parsed, i), sink(i))
+                for i in range(parsed.n)]
         try:
-            scheduler.submit(job)
+            scheduler.submit(*jobs)
         except QueueFull as e:
             return _error(str(e), 429, "rate_limit_exceeded")
         except Unavailable as e:
             return _error(str(e), 503, "unavailable")
         rid = protocol.new_id(chat)
         if parsed.stream:
-            return StreamingResponse(_stream(rid, parsed, job, events, scheduler),
+            return StreamingResponse(_stream(rid, parsed, jobs, events, scheduler),
                                      media_type="text/event-stream")
-        return await _collect(request, rid, parsed, job, events, scheduler)
+        return await _collect(request, rid, parsed, jobs, events, scheduler)
 
-    async def _collect(request: Request, rid: str, parsed: Parsed, job: Job,
+    def cancel_unfinished(jobs: list[Job], scheduler: Scheduler) -> None:
+        for job in jobs:
+            if not job.done:
+                scheduler.cancel(job)
+
+    async def _collect(request: Request, rid: str, parsed: Parsed, jobs: list[Job],
                        events: asyncio.Queue, scheduler: Scheduler) -> Response:
-        deltas: list[Delta] = []
+        deltas: list[list[Delta]] = [[] for _ in jobs]
+        finished: list[Finished | None] = [None] * len(jobs)
         loop = asyncio.get_running_loop()
         check_at = loop.time() + _POLL_SECONDS
         try:
@@ -217,57 +230,64 @@ def create_app(state: ServerState) -> FastAPI:
                 # keep arriving would otherwise never notice its client has gone.
                 if loop.time() >= check_at:
                     if await request.is_disconnected():
-                        scheduler.cancel(job)
+                        cancel_unfinished(jobs, scheduler)
                         return Response(status_code=499)
                     check_at = loop.time() + _POLL_SECONDS
                 try:
-                    event = await asyncio.wait_for(events.get(), check_at - loop.time())
+                    index, event = await asyncio.wait_for(events.get(),
+                                                          check_at - loop.time())
                 except TimeoutError:
                     continue
                 if isinstance(event, Delta):
-                    deltas.append(event)
+                    deltas[index].append(event)
                     continue
-                return _final(rid, parsed, deltas, event)
+                if event.reason in ("error", "cancelled"):
+                    return _failed(event)  # the other choices are cancelled below
+                finished[index] = event
+                if all(f is not None for f in finished):
+                    return JSONResponse(protocol.response(
+                        rid, parsed, list(zip(deltas, finished, strict=True))))
         finally:
-            if not job.done:
-                scheduler.cancel(job)
+            cancel_unfinished(jobs, scheduler)
 
-    def _final(rid: str, parsed: Parsed, deltas: list[Delta], finished: Finished) -> Response:
+    def _failed(finished: Finished) -> Response:
         if finished.reason == "error":
             return _error(finished.error or "internal error", 500, "internal_error")
-        if finished.reason == "cancelled":
-            return _error("the request was cancelled (the server is stopping)", 503,
-                          "unavailable")
-        return JSONResponse(protocol.response(rid, parsed, deltas, finished))
+        return _error("the request was cancelled (the server is stopping)", 503, "unavailable")
 
-    async def _stream(rid: str, parsed: Parsed, job: Job, events: asyncio.Queue,
+    async def _stream(rid: str, parsed: Parsed, jobs: list[Job], events: asyncio.Queue,
                       scheduler: Scheduler) -> AsyncIterator[str]:
-        offset = 0  # characters streamed, for the completions log-probabilities' text_offset
+        # Per choice: characters streamed, for the completions log-probabilities' text_offset.
+        offsets = [0] * len(jobs)
+        finished: list[Finished] = []
         try:
             if parsed.chat:
-                yield _sse(protocol.role_chunk(rid, parsed))
+                for index in range(len(jobs)):
+                    yield _sse(protocol.role_chunk(rid, parsed, index))
             while True:
-                event = await events.get()
+                index, event = await events.get()
                 if isinstance(event, Delta):
                     if event.ids or event.text:
-                        yield _sse(protocol.chunk(rid, parsed, event, None, offset))
-                        offset += protocol.text_length(event)
+                        yield _sse(protocol.chunk(rid, parsed, event, None, offsets[index],
+                                                  index))
+                        offsets[index] += protocol.text_length(event)
                     continue
-                if event.reason == "error":
+                if event.reason in ("error", "cancelled"):  # the other choices end with it
                     yield _sse(error_body(event.error or "internal error", "internal_error",
-                                          None, 500))
-                elif event.reason == "cancelled":
-                    yield _sse(error_body("the request was cancelled (the server is stopping)",
+                                          None, 500) if event.reason == "error" else
+                               error_body("the request was cancelled (the server is stopping)",
                                           "unavailable", None, 503))
-                else:
-                    yield _sse(protocol.chunk(rid, parsed, None, event.reason))
+                    yield "data: [DONE]\n\n"
+                    return
+                yield _sse(protocol.chunk(rid, parsed, None, event.reason, index=index))
+                finished.append(event)
+                if len(finished) == len(jobs):
                     if parsed.include_usage:
-                        yield _sse(protocol.usage_chunk(rid, parsed, event))
-                yield "data: [DONE]\n\n"
-                return
+                        yield _sse(protocol.usage_chunk(rid, parsed, finished))
+                    yield "data: [DONE]\n\n"
+                    return
         finally:  # the client went away (the response task is cancelled), or we are done
-            if not job.done:
-                scheduler.cancel(job)
+            cancel_unfinished(jobs, scheduler)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

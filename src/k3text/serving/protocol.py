@@ -2,7 +2,7 @@
 `SamplingParams`, and the response, stream-chunk and error objects.
 
 Every check names its field (`RequestError.param`), so a client sees which value is wrong. What
-the server cannot do (n > 1, echo, penalties, batched prompts, tools, structured output, ...: the
+the server cannot do (echo, penalties, batched prompts, tools, structured output, ...: the
 fields of `UNSUPPORTED`) is refused when it is asked for, never silently ignored. A field that
 nothing here reads at all (a misspelt `max_token`, another server's extension) is accepted, as
 vLLM accepts it, and named in `Parsed.ignored`, which the server logs.
@@ -152,6 +152,7 @@ class Parsed:
     return_token_ids: bool
     chat: bool
     tokens_as_ids: bool = False  # `return_tokens_as_token_ids`: log-probabilities name ids
+    n: int = 1  # choices: each a request of its own (`choice_params`)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     ignored: tuple[str, ...] = ()  # fields the request gave that nothing here reads (sorted)
 
@@ -316,8 +317,6 @@ class Protocol:
     def _common(self, body: Any) -> _Read:
         """The checks every generation request gets; the body, recording the fields read."""
         body = self._body(body)
-        if _int(body, "n", 1, 1) != 1:
-            raise RequestError("only n=1 is supported; send one request per completion", "n")
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                               ("repetition_penalty", 1.0)):
             if _float(body, name, neutral, -2.0, 2.0) != neutral:
@@ -411,10 +410,23 @@ class Protocol:
     def _parsed(self, body: _Read, ids: list[int], params: SamplingParams, stream: bool,
                 chat: bool) -> Parsed:
         include_usage, unread_options = self._stream_options(body, stream)
+        # Each choice waits in the queue as a request of its own, so all must fit it at once.
+        n = _int(body, "n", 1, 1)
+        if n > self.cfg.max_queued_requests:
+            raise RequestError(f"'n' = {n} choices do not fit the queue of "
+                               f"max_queued_requests={self.cfg.max_queued_requests}", "n")
         return Parsed(ids, params, stream, include_usage,
                       _bool(body, "return_token_ids", False), chat=chat,
-                      tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),
+                      tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False), n=n,
                       ignored=body.unread() + unread_options)
+
+    @staticmethod
+    def choice_params(parsed: Parsed, index: int) -> SamplingParams:
+        """Choice `index`'s sampling: the request's, its seed (when given) plus `index`, as
+        vLLM seeds the choices of `n`, so each is the request sent alone with that seed."""
+        seed = parsed.params.seed
+        return parsed.params if seed is None or index == 0 else \
+            dataclasses.replace(parsed.params, seed=seed + index)
 
     def completion(self, body: Any) -> Parsed:
         body = self._common(body)
@@ -573,25 +585,31 @@ class Protocol:
                                  for t, lp, top in zip(ids, lps, tops, strict=True)],
                 "text_offset": offsets}
 
-    def usage(self, finished: Finished) -> dict[str, int]:
-        return {"prompt_tokens": finished.prompt_tokens,
-                "completion_tokens": finished.completion_tokens,
-                "total_tokens": finished.prompt_tokens + finished.completion_tokens}
+    def usage(self, finished: list[Finished]) -> dict[str, int]:
+        """Usage of a request's choices: the prompt once, every choice's tokens."""
+        prompt = finished[0].prompt_tokens
+        completion = sum(f.completion_tokens for f in finished)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
 
-    def response(self, rid: str, parsed: Parsed, deltas: list[Delta],
-                 finished: Finished) -> dict[str, Any]:
-        text = "".join(d.text for d in deltas)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finished.reason,
-                                  "logprobs": self._logprobs(deltas, parsed)}
-        if parsed.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if parsed.return_token_ids:
-            choice["token_ids"] = [t for d in deltas for t in d.ids]
+    def response(self, rid: str, parsed: Parsed, choices: list[tuple[list[Delta], Finished]],
+                 ) -> dict[str, Any]:
+        """The whole response; `choices`: each choice's deltas and finish, in index order."""
+        return_choices = []
+        for index, (deltas, finished) in enumerate(choices):
+            text = "".join(d.text for d in deltas)
+            choice: dict[str, Any] = {"index": index, "finish_reason": finished.reason,
+                                      "logprobs": self._logprobs(deltas, parsed)}
+            if parsed.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            if parsed.return_token_ids:
+                choice["token_ids"] = [t for d in deltas for t in d.ids]
+            return_choices.append(choice)
         body = {"id": rid, "object": "chat.completion" if parsed.chat else "text_completion",
-                "created": parsed.created, "model": self.model_name, "choices": [choice],
-                "usage": self.usage(finished)}
+                "created": parsed.created, "model": self.model_name, "choices": return_choices,
+                "usage": self.usage([f for _, f in choices])}
         if parsed.return_token_ids:
             body["prompt_token_ids"] = parsed.prompt_ids
         return body
@@ -606,10 +624,10 @@ class Protocol:
         return body
 
     def chunk(self, rid: str, parsed: Parsed, delta: Delta | None, finish: str | None,
-              offset: int = 0) -> dict[str, Any]:
-        """A stream chunk: `delta`'s tokens (`offset`: the characters streamed before them),
-        or the finish with no tokens."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
+              offset: int = 0, index: int = 0) -> dict[str, Any]:
+        """A stream chunk of choice `index`: `delta`'s tokens (`offset`: the characters that
+        choice streamed before them), or its finish with no tokens."""
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish,
                                   "logprobs": self._logprobs([delta], parsed, offset)
                                   if delta else None}
         text = delta.text if delta else ""
@@ -621,11 +639,13 @@ class Protocol:
             choice["token_ids"] = delta.ids if delta else []
         return self._chunk(rid, parsed, [choice])
 
-    def role_chunk(self, rid: str, parsed: Parsed) -> dict[str, Any]:
-        """A chat stream's first chunk: the assistant's role, before any token."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
+    def role_chunk(self, rid: str, parsed: Parsed, index: int = 0) -> dict[str, Any]:
+        """A chat stream's first chunk of choice `index`: the assistant's role, before any
+        token."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None}
         return self._chunk(rid, parsed, [choice])
 
-    def usage_chunk(self, rid: str, parsed: Parsed, finished: Finished) -> dict[str, Any]:
+    def usage_chunk(self, rid: str, parsed: Parsed, finished: list[Finished]
+                    ) -> dict[str, Any]:
         return self._chunk(rid, parsed, [], self.usage(finished))

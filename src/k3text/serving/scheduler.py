@@ -212,16 +212,19 @@ class Scheduler:
 
     # ---- any thread -----------------------------------------------------------------------
 
-    def submit(self, request: Request) -> None:
+    def submit(self, *requests: Request) -> None:
+        """Queue `requests` (the choices of one API request): all of them, or with no room
+        for all, none (`QueueFull`)."""
         with self._cv:
             if not self._accepting:
                 raise Unavailable("the server is not accepting requests (starting or stopping)")
-            if len(self._waiting) >= self.cfg.max_queued_requests:
-                self.metrics.requests.labels("rejected").inc()
+            if len(self._waiting) + len(requests) > self.cfg.max_queued_requests:
+                self.metrics.requests.labels("rejected").inc(len(requests))
+                need = f"; {len(requests)} more do not fit" if len(requests) > 1 else ""
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting "
-                                f"(max_queued_requests={self.cfg.max_queued_requests})")
-            self._waiting.append(request)
-            self._in_flight += 1
+                                f"(max_queued_requests={self.cfg.max_queued_requests}){need}")
+            self._waiting.extend(requests)
+            self._in_flight += len(requests)
             self.metrics.waiting.set(len(self._waiting))
             self._cv.notify()
 
