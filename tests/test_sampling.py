@@ -89,3 +89,34 @@ def test_truncation_cuts_only_the_rows_that_ask_and_top_p_one_cuts_nothing():
     assert np.isfinite(out[3]).sum() == 1
     plain = _truncated(rows[:2], top_k[:2], top_p[:2])
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(rows[:2]))
+
+
+def test_logit_bias_and_min_tokens_steer_the_draw_and_leave_logprobs_raw():
+    """Per row, as vLLM applies them: logit_bias added before greedy or sampled choice; a row
+    that has produced fewer than its min_tokens never draws its stop ids (-1 unused); rows that
+    ask for neither are untouched; log-probabilities stay the model's own."""
+    from k3text.inference.sampling import host_sampling, sample_slots
+
+    logits = jnp.tile(LOGITS, (5, 1))  # argmax 1, then 5, then 2
+    rows = [(0.0, 0, 1.0, 0),  # plain greedy
+            (0.0, 0, 1.0, 0, 0, ((1, -100.0), (3, 0.5))),  # the argmax biased away: 5
+            (0.0, 0, 1.0, 0, 0, ((0, 3.5),)),  # 0.0 + 3.5 beats 3.0
+            (0.0, 0, 1.0, 0, 2),  # min_tokens 2 at token 1: stop ids 1 and 5 banned -> 2
+            (0.0, 0, 1.0, 0, 1)]  # min_tokens 1 at token 1: nothing banned
+    stop_ids = jnp.asarray([[1, 5, -1]] * 5, jnp.int32)
+    index = jnp.asarray([0, 0, 0, 1, 1], jnp.int32)
+    tokens, chosen, _, _ = sample_slots(logits, host_sampling(rows), index, 0, stop_ids)
+    assert np.asarray(tokens).tolist() == [1, 5, 0, 2, 1]
+    raw = np.asarray(jax.nn.log_softmax(LOGITS[0]))
+    np.testing.assert_allclose(np.asarray(chosen), raw[[1, 5, 0, 2, 1]], rtol=1e-6)
+
+    # Sampled: over 300 seeds a banned stop id never comes, and a strong bias always wins.
+    n = 300
+    sampled = host_sampling([(1.0, 0, 1.0, s, 5) for s in range(n)]
+                            + [(1.0, 0, 1.0, s, 0, ((3, 100.0),)) for s in range(n)])
+    tokens, _, _, _ = sample_slots(jnp.tile(LOGITS, (2 * n, 1)), sampled,
+                                   jnp.zeros(2 * n, jnp.int32), 0,
+                                   jnp.asarray([[1, 5, -1]] * (2 * n), jnp.int32))
+    tokens = np.asarray(tokens)
+    assert not np.isin(tokens[:n], [1, 5]).any() and len(set(tokens[:n].tolist())) > 1
+    assert (tokens[n:] == 3).all()

@@ -908,6 +908,22 @@ def test_stop_strings_cut_the_text_and_the_tokens_after_them(tokenizer, stop, te
     assert kept == len(stream.ids) == tokens
 
 
+def test_a_stop_string_counts_only_once_min_tokens_tokens_are_out(tokenizer):
+    """As vLLM: a stop string completed by one of the first `min_tokens` tokens is text like
+    any other; one completed after them ends the text, even where it began before."""
+    from k3text.serving.text import TextStream
+
+    ids = tokenizer.encode("a. b. c. d.")
+    ends = [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]
+    first_dot = next(i for i, e in enumerate(ends) if tokenizer.decode(ids)[:e].endswith("."))
+    for min_tokens, want in ((0, "a"), (first_dot + 1, "a. b")):
+        stream = TextStream(tokenizer, ["."], min_tokens)
+        sent = "".join(stream.add([t]) for t in ids)
+        assert stream.stopped and sent + stream.add([], final=True) == want, min_tokens
+    stream = TextStream(tokenizer, [". b"], first_dot + 1)  # begins inside, ends after them
+    assert "".join(stream.add([t]) for t in ids) == "a" and stream.stopped
+
+
 def test_a_stream_holds_back_what_may_start_a_stop_string(tokenizer):
     from k3text.serving.text import TextStream
 
@@ -995,8 +1011,8 @@ def _chat(protocol, messages, **fields):
 
 
 @pytest.mark.parametrize("chat,field,value", [
-    (False, "best_of", 3), (False, "logit_bias", {"42": -100}), (False, "min_tokens", 4),
-    (False, "min_p", 0.1), (False, "suffix", "end"), (False, "skip_special_tokens", False),
+    (False, "best_of", 3), (False, "min_p", 0.1), (False, "suffix", "end"),
+    (False, "skip_special_tokens", False),
     (False, "include_stop_str_in_output", True), (False, "prompt_logprobs", 1),
     (False, "response_format", {"type": "json_object"}), (False, "guided_regex", "a+"),
     (False, "best_of", True),  # true is not 1
@@ -1023,7 +1039,7 @@ def test_fields_that_would_change_the_output_are_refused_naming_them(protocol, c
 
 def test_neutral_values_of_unsupported_fields_are_accepted(protocol):
     plain = _completion(protocol)
-    neutral = _completion(protocol, best_of=1, logit_bias={}, min_tokens=0, min_p=0.0,
+    neutral = _completion(protocol, best_of=1, min_p=0.0,
                           suffix=None, skip_special_tokens=True, response_format={"type": "text"},
                           user="someone", metadata={"a": "b"})
     assert neutral.prompt_ids == plain.prompt_ids and neutral.params == plain.params
@@ -1109,6 +1125,24 @@ def test_token_limits_and_stop_ids_read_as_openai_means_them(protocol):
         _completion(protocol, model="gpt-4")
     assert e.value.status == 404 and e.value.param == "model"
     assert e.value.body()["error"]["type"] == "model_not_found"
+
+
+def test_logit_bias_and_min_tokens_are_read_and_checked(protocol):
+    from k3text.serving.protocol import RequestError
+
+    got = _completion(protocol, logit_bias={"7": -100, "42": 2.5}, min_tokens=3, max_tokens=5)
+    assert got.params.logit_bias == ((7, -100.0), (42, 2.5)) and got.params.min_tokens == 3
+    assert _completion(protocol, logit_bias={}).params.logit_bias == ()
+    for bad in ([1, 2], {"x": 1}, {"4_2": 1}, {" 4": 1}, {"512": 1}, {"-1": 1}, {"7": 101},
+                {"7": True}, {"7": "1"}, {"7": 1, "07": 2},
+                {str(t): 1 for t in range(301)}):
+        with pytest.raises(RequestError) as e:
+            _completion(protocol, logit_bias=bad)
+        assert e.value.param == "logit_bias", bad
+    for bad in ({"min_tokens": -1}, {"min_tokens": 6, "max_tokens": 5}, {"min_tokens": 1.0}):
+        with pytest.raises(RequestError) as e:
+            _completion(protocol, **bad)
+        assert e.value.param == "min_tokens", bad
 
 
 def test_each_of_n_choices_is_seeded_as_vllm_seeds_it(protocol):
@@ -1432,6 +1466,29 @@ def test_text_prompt_and_chat(shipped, tokenizer):
     assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
 
 
+def test_logit_bias_and_min_tokens_steer_the_shipped_model(shipped):
+    """A greedy answer with its first token biased away takes the model's second choice, with
+    that token's own log-probability; with min_tokens past where it ended at eos it runs on
+    through the same tokens to its limit."""
+    server, _, _ = shipped
+    body = {"model": "k3-small", "prompt": "The capital of Zapouvia is", "max_tokens": 8,
+            "temperature": 0, "logprobs": 2, "return_token_ids": True,
+            "return_tokens_as_token_ids": True}
+    post = lambda **extra: httpx.post(server.url + "/v1/completions",  # noqa: E731
+                                      json={**body, **extra}, timeout=120).json()["choices"][0]
+    plain = post()
+    assert plain["finish_reason"] == "stop" and len(plain["token_ids"]) < 8
+    first = plain["token_ids"][0]
+    (best, _), (second, second_lp) = list(plain["logprobs"]["top_logprobs"][0].items())[:2]
+    assert best == f"token_id:{first}"
+    away = post(logit_bias={str(first): -100})
+    assert f"token_id:{away['token_ids'][0]}" == second
+    assert away["logprobs"]["token_logprobs"][0] == pytest.approx(second_lp, abs=1e-5)
+    longer = post(min_tokens=8)
+    assert longer["finish_reason"] == "length" and len(longer["token_ids"]) == 8
+    assert longer["token_ids"][: len(plain["token_ids"])] == plain["token_ids"]
+
+
 def _sse(lines: list[str]) -> list[dict | str]:
     events = []
     for line in lines:
@@ -1728,6 +1785,7 @@ def _request_plan(prompts: list[list[int]], n: int, seed: int = 0) -> list[dict]
             # A leaver runs long (through eos, see `_body`): it is still running when it leaves.
             "max_tokens": 96 if leaves else rng.choice([1, 2, 5, 12, MAX_STEPS]),
             "sampled": k % 3 == 2,
+            "biased": k % 6 == 5,  # sampled, with logit_bias and min_tokens
             "stream": k % 2 == 1,
             "leave_after": rng.choice([1, 2]) if leaves else None,
             "delay": rng.uniform(0, 1.5),
@@ -1742,6 +1800,9 @@ def _body(prompts, item, model):
             "return_token_ids": True, "logprobs": 2, "return_tokens_as_token_ids": True}
     if item["sampled"]:
         body.update(temperature=0.8, top_p=0.95, top_k=50, seed=item["seed"])
+    if item.get("biased"):  # neither may reach the greedy requests beside it
+        body.update(logit_bias={str(3 + (item["seed"] * 7 + 31 * j) % 500): 4.0
+                                for j in range(4)}, min_tokens=min(4, item["max_tokens"]))
     else:
         body["temperature"] = 0
     if item["leave_after"]:

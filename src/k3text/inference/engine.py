@@ -106,8 +106,7 @@ class Tokens(NamedTuple):
 
 
 SLOT_AXES = Slots(tokens=("batch",), active=("batch",), produced=("batch",), limit=("batch",),
-                  stop_ids=("batch", None),
-                  sampling=SlotSampling(("batch",), ("batch",), ("batch",), ("batch", None)))
+                  stop_ids=("batch", None), sampling=sampling.SAMPLING_AXES)
 
 
 class Later[T]:
@@ -695,7 +694,7 @@ def insert_program(pool: Pool, prefix: Prefix, slots: jax.Array, limit: jax.Arra
     active) per row."""
     rows = prefix.logits.shape[0]
     first, lp, top_ids, top_lps = sampling.sample_slots(
-        prefix.logits, params, jnp.zeros(rows, jnp.int32), top_n)
+        prefix.logits, params, jnp.zeros(rows, jnp.int32), top_n, stop_ids)
     active = ~(_is_stop(first, stop_ids) | (limit <= 1))
     # Padding rows carry slot -1: moved past the end, their writes are dropped.
     at = jnp.where(slots < 0, pool.slots.tokens.shape[0], slots)
@@ -801,7 +800,8 @@ def _advance(cfg: Config, slots: Slots, top_n: int, carry: tuple, logits: jax.Ar
     # Free slots run too (fixed shapes) but their length stays put, so their cache writes stay
     # in range; `insert` overwrites everything a free slot holds.
     state = new_state._replace(lengths=jnp.where(active, new_state.lengths, state.lengths))
-    sampled, lp, t_ids, t_lps = sampling.sample_slots(logits, slots.sampling, produced, top_n)
+    sampled, lp, t_ids, t_lps = sampling.sample_slots(logits, slots.sampling, produced, top_n,
+                                                      slots.stop_ids)
     out = out.at[:, step].set(jnp.where(active, sampled, cfg.pad_token_id))
     lps = lps.at[:, step].set(jnp.where(active, lp, 0.0))
     top_ids = top_ids.at[:, step].set(t_ids)
@@ -828,12 +828,10 @@ def pool_shapes(cfg: Config, slots: int) -> Pool:
     false) its state is kept per layer (`per_layer_form`): the decode loop carries each layer's
     arrays as they are, where splitting a stacked pool copied the whole state every call."""
     i32 = lambda *shape: jax.ShapeDtypeStruct((slots, *shape), jnp.int32)  # noqa: E731
-    f32 = jax.ShapeDtypeStruct((slots,), jnp.float32)
     return Pool(_pool_state_form(cfg, state_shapes(cfg, slots), STATE_AXES)[0],
                 Slots(tokens=i32(), active=jax.ShapeDtypeStruct((slots,), jnp.bool_),
                       produced=i32(), limit=i32(), stop_ids=i32(MAX_STOP_IDS),
-                      sampling=SlotSampling(f32, i32(), f32,
-                                            jax.ShapeDtypeStruct((slots, 2), jnp.uint32))))
+                      sampling=sampling.sampling_shapes(slots)))
 
 
 def pool_axes(cfg: Config) -> Pool:

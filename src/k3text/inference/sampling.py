@@ -8,8 +8,10 @@ either edge kept), as vLLM and the OpenAI API define them. A slot's n-th token i
 `fold_in(key(seed), n)`: with a fixed seed a request's tokens do not depend on the slot it sits
 in or on what else is in the batch.
 
-Log-probabilities (of the chosen token and of the top-N) are always under the unmodified model
-distribution.
+Before any of that, as vLLM applies them: a slot's `logit_bias` is added to its logits, and
+while it has produced fewer than its `min_tokens` tokens its stop ids (eos and the request's
+stop token ids) cannot be drawn, greedy or sampled. Log-probabilities (of the chosen token and
+of the top-N) are always under the unmodified model distribution (vLLM's raw log-probabilities).
 
 `sample(cfg, logits, key)` maps the offline `decode_sampling_*` keys onto the same function.
 """
@@ -25,6 +27,8 @@ import numpy as np
 from k3text import sharding
 from k3text.config import Config
 
+MAX_LOGIT_BIAS = 300  # logit_bias entries per slot (OpenAI's limit); a fixed width, one program
+
 
 class SlotSampling(NamedTuple):
     """Sampling parameters of B slots (device or host arrays, leading axis B)."""
@@ -33,6 +37,33 @@ class SlotSampling(NamedTuple):
     top_k: jax.Array  # [B] int32; 0 = the whole vocabulary
     top_p: jax.Array  # [B] float32 in (0, 1]
     seed: jax.Array  # [B, 2] uint32: the request seed's low and high 32 bits
+    min_tokens: jax.Array  # [B] int32: the slot's stop ids are banned for its first tokens
+    bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32: logit_bias's token ids, -1 = unused
+    bias: jax.Array  # [B, MAX_LOGIT_BIAS] float32: added to those tokens' logits
+
+
+# The logical axes of `SlotSampling`'s arrays, and their shapes for B rows.
+SAMPLING_AXES = SlotSampling(("batch",), ("batch",), ("batch",), ("batch", None), ("batch",),
+                             ("batch", None), ("batch", None))
+
+
+def sampling_shapes(rows: int) -> SlotSampling:
+    """ShapeDtypeStructs of `SlotSampling` for `rows` rows."""
+    shape = lambda dtype, *tail: jax.ShapeDtypeStruct((rows, *tail), dtype)  # noqa: E731
+    return SlotSampling(shape(jnp.float32), shape(jnp.int32), shape(jnp.float32),
+                        shape(jnp.uint32, 2), shape(jnp.int32),
+                        shape(jnp.int32, MAX_LOGIT_BIAS), shape(jnp.float32, MAX_LOGIT_BIAS))
+
+
+class SamplingRow(NamedTuple):
+    """One row's sampling parameters, as the host gives them."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), distinct ids
 
 
 def seed_words(seed: int) -> tuple[int, int]:
@@ -41,13 +72,24 @@ def seed_words(seed: int) -> tuple[int, int]:
     return seed & 0xFFFFFFFF, seed >> 32
 
 
-def host_sampling(rows: list[tuple[float, int, float, int]]) -> SlotSampling:
-    """`SlotSampling` host arrays from (temperature, top_k, top_p, seed) per row."""
+def host_sampling(rows: list[tuple]) -> SlotSampling:
+    """`SlotSampling` host arrays from a `SamplingRow` (or a tuple of its fields) per row."""
+    rows = [SamplingRow(*r) for r in rows]
+    bias_ids = np.full((len(rows), MAX_LOGIT_BIAS), -1, np.int32)
+    bias = np.zeros((len(rows), MAX_LOGIT_BIAS), np.float32)
+    for i, r in enumerate(rows):
+        if len(r.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias holds {len(r.logit_bias)} entries, more than "
+                             f"{MAX_LOGIT_BIAS}")
+        for j, (token, value) in enumerate(r.logit_bias):
+            bias_ids[i, j], bias[i, j] = token, value
     return SlotSampling(
-        temperature=np.asarray([r[0] for r in rows], np.float32),
-        top_k=np.asarray([r[1] for r in rows], np.int32),
-        top_p=np.asarray([r[2] for r in rows], np.float32),
-        seed=np.asarray([seed_words(r[3]) for r in rows], np.uint32).reshape(len(rows), 2))
+        temperature=np.asarray([r.temperature for r in rows], np.float32),
+        top_k=np.asarray([r.top_k for r in rows], np.int32),
+        top_p=np.asarray([r.top_p for r in rows], np.float32),
+        seed=np.asarray([seed_words(r.seed) for r in rows], np.uint32).reshape(len(rows), 2),
+        min_tokens=np.asarray([r.min_tokens for r in rows], np.int32),
+        bias_ids=bias_ids, bias=bias)
 
 
 def config_sampling(cfg: Config, batch: int, seeds: list[int] | None = None) -> SlotSampling:
@@ -94,9 +136,28 @@ def _draw(logits: jax.Array, params: SlotSampling, index: jax.Array) -> jax.Arra
     return jax.vmap(one)(params.seed, index, shaped)
 
 
+def _adjusted(logits: jax.Array, params: SlotSampling, index: jax.Array,
+              stop_ids: jax.Array | None) -> jax.Array:
+    """`logits` with each row's `logit_bias` added and, while a row's token number `index` is
+    below its `min_tokens`, its `stop_ids` (-1: unused) at -inf. Row by row scatters, always
+    run: a branch on whether any row asks would cost a reduction over the batch (a collective
+    where the batch is split), and the scatters write a few hundred entries per row."""
+    vocab = logits.shape[-1]
+    # Unused entries point past the vocabulary, where the scatters drop them.
+    add = jax.vmap(lambda row, ids, values: row.at[ids].add(values, mode="drop"))
+    logits = add(logits, jnp.where(params.bias_ids < 0, vocab, params.bias_ids), params.bias)
+    if stop_ids is None:
+        return logits
+    early = index < params.min_tokens
+    ban = jax.vmap(lambda row, ids: row.at[ids].set(-jnp.inf, mode="drop"))
+    return ban(logits, jnp.where((stop_ids < 0) | ~early[:, None], vocab, stop_ids))
+
+
 def sample_slots(logits: jax.Array, params: SlotSampling, index: jax.Array, top_n: int = 0,
+                 stop_ids: jax.Array | None = None,
                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Sample one token per row of logits [B, vocab]; `index` [B] is each row's token number.
+    """Sample one token per row of logits [B, vocab]; `index` [B] is each row's token number,
+    `stop_ids` [B, n] its stop ids (what `min_tokens` bans; None: nothing banned).
 
     Returns (tokens [B] int32, their log-probabilities [B], top-N token ids [B, top_n] int32,
     top-N log-probabilities [B, top_n]). Batches with no sampled row skip the sort."""
@@ -104,12 +165,13 @@ def sample_slots(logits: jax.Array, params: SlotSampling, index: jax.Array, top_
     # of logits, never of the head's weight): the sort, argmax, softmax and top-N below then
     # run locally instead of as a collective per reduction.
     logits = sharding.gather_features([logits.astype(jnp.float32)], ["vocab"])[0]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    shaped = _adjusted(logits, params, index, stop_ids)
+    greedy = jnp.argmax(shaped, axis=-1).astype(jnp.int32)
     # Below this a temperature only overflows the scaled logits: greedy, as vLLM treats it.
     sampled = params.temperature >= 1e-5
     tokens = jax.lax.cond(
         jnp.any(sampled),
-        lambda: jnp.where(sampled, _draw(logits, params, index).astype(jnp.int32), greedy),
+        lambda: jnp.where(sampled, _draw(shaped, params, index).astype(jnp.int32), greedy),
         lambda: greedy)
     logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]

@@ -21,6 +21,7 @@ from typing import Any
 
 from k3text.config import Config
 from k3text.inference.engine import MAX_STOP_IDS
+from k3text.inference.sampling import MAX_LOGIT_BIAS
 from k3text.serving.scheduler import Delta, Finished, SamplingParams
 from k3text.serving.text import ChatTemplate, token_text
 from k3text.tokenizer import Tokenizer
@@ -57,9 +58,7 @@ def _absent_or(*neutral: Any) -> Callable[[Any], bool]:
 # that cannot change the output are accepted (`NO_EFFECT`).
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _absent_or(1),
-    "logit_bias": _absent_or({}),
     "min_p": _absent_or(0, 0.0),
-    "min_tokens": _absent_or(0),
     "prompt_logprobs": _absent_or(),
     "include_stop_str_in_output": _absent_or(False),
     "skip_special_tokens": _absent_or(True),  # special ids never have text here
@@ -374,12 +373,45 @@ class Protocol:
                                "stop_token_ids")
         if stop and self.tokenizer is None:
             raise RequestError("'stop' strings need a tokenizer; use stop_token_ids", "stop")
+        min_tokens = _int(body, "min_tokens", 0, 0)
+        if min_tokens > max_tokens:
+            raise RequestError(f"'min_tokens' ({min_tokens}) exceeds {name or 'max_tokens'} "
+                               f"({max_tokens})", "min_tokens")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
             top_k=max(top_k, 0), top_p=_float(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
             seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_ids), logprobs=logprobs,
-            ignore_eos=ignore_eos)
+            ignore_eos=ignore_eos, min_tokens=min_tokens, logit_bias=self._logit_bias(body))
+
+    def _logit_bias(self, body: dict) -> tuple[tuple[int, float], ...]:
+        """`logit_bias`: {token id (as a JSON key, a string): bias in [-100, 100]}."""
+        bias = body.get("logit_bias")
+        if bias is None:
+            return ()
+        if not isinstance(bias, dict):
+            raise RequestError(f"'logit_bias' must be an object mapping token ids to biases, "
+                               f"got {_type_name(bias)}", "logit_bias")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"'logit_bias' holds {len(bias)} entries, more than "
+                               f"{MAX_LOGIT_BIAS}", "logit_bias")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            if not re.fullmatch(r"-?[0-9]{1,12}", key):
+                raise RequestError(f"'logit_bias' key {_short(key)} is not a token id",
+                                   "logit_bias")
+            token = int(key)
+            if not 0 <= token < self.cfg.vocab_size:
+                raise RequestError(f"'logit_bias' token {token} is outside the vocabulary "
+                                   f"[0, {self.cfg.vocab_size})", "logit_bias")
+            if token in out:
+                raise RequestError(f"'logit_bias' names token {token} twice", "logit_bias")
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not _finite(value) or not -100 <= value <= 100:
+                raise RequestError(f"'logit_bias' of token {token} must be a number in "
+                                   f"[-100, 100], got {_short(value)}", "logit_bias")
+            out[token] = float(value)
+        return tuple(out.items())
 
     def _check_prompt(self, ids: list[int], name: str) -> list[int]:
         if not ids:

@@ -97,6 +97,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # besides eos (unless ignore_eos)
     logprobs: int | None = None  # None: none; N: the chosen token's and the top N
     ignore_eos: bool = False  # generate through eos (benchmarks)
+    min_tokens: int = 0  # no stop id or stop string ends the output before this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
 
 @dataclasses.dataclass
@@ -511,7 +513,7 @@ class Scheduler:
             tokens[i, : len(r.prompt_ids)] = r.prompt_ids
             valid[i, : len(r.prompt_ids)] = True
             r.slot = -1 if self._apart else self._free.pop(0)
-            r.text = TextStream(self.tokenizer, r.params.stop)
+            r.text = TextStream(self.tokenizer, r.params.stop, r.params.min_tokens)
             r.stop_ids = self.engine.stop_ids(r.params.stop_token_ids, r.params.ignore_eos)
         rows += [None] * (batch - len(rows))
         job = _Prefill(rows, prefix, tokens, valid, slices=slices)
@@ -557,7 +559,8 @@ class Scheduler:
         `ready` of `job`; every other row is padding (slot -1)."""
         rows = [job.rows[i] if i in ready else None for i in range(len(job.rows))]
         params = [(r.params.temperature, r.params.top_k, r.params.top_p,
-                   r.params.seed if r.params.seed is not None else secrets.randbits(64))
+                   r.params.seed if r.params.seed is not None else secrets.randbits(64),
+                   r.params.min_tokens, r.params.logit_bias)
                   if r else (0.0, 0, 1.0, 0) for r in rows]
         stop = np.stack([r.stop_ids if r else np.full(MAX_STOP_IDS, -1, np.int32)
                          for r in rows])

@@ -5,7 +5,8 @@ Byte-level BPE tokens can end inside a UTF-8 character. `TextStream` feeds each 
 an incremental UTF-8 decoder, which holds an incomplete character back until its last byte comes
 and turns bytes that can never be valid into U+FFFD at once; text that may still be the start of
 a stop string is held back too, so a stream never sends text it later has to take back. A stop
-string ends the request and the returned text stops before it.
+string ends the request and the returned text stops before it; one completed by one of the
+first `min_tokens` tokens does not count (as in vLLM).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ class TextStream:
     the first stop string.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str] = (),
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.stopped = False  # a stop string was found; `text` ends before it
         self.kept = 0  # how many tokens of the last `add` were kept
@@ -53,9 +56,12 @@ class TextStream:
         return self.tokenizer.token_bytes(token)
 
     def _extend(self, piece: str) -> None:
-        """Append `piece` to the text and stop at the first stop string it completes."""
+        """Append `piece` to the text and stop at the first stop string it completes (none
+        while the tokens number `min_tokens` or fewer)."""
         searched = len(self._rest)
         self._rest += piece
+        if len(self.ids) <= self.min_tokens:
+            return
         hits = [at for stop in self.stop
                 if (at := self._rest.find(stop, max(0, searched - len(stop) + 1))) >= 0]
         if hits:

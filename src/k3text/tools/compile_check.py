@@ -135,7 +135,7 @@ def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
 
     from k3text import sharding
     from k3text.inference import engine
-    from k3text.inference.sampling import SlotSampling
+    from k3text.inference.sampling import SlotSampling, sampling_shapes
     from k3text.models.state import STATE_AXES, state_shapes
 
     def abstract(shapes: Any, axes: Any) -> Any:
@@ -156,8 +156,7 @@ def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
     graphdef = inputs["graphdef"]
     steps, top_n = cfg.serve_steps_per_call, cfg.serve_max_logprobs
     insert_args = (row(jnp.int32), row(jnp.int32), row(jnp.int32, engine.MAX_STOP_IDS),
-                   SlotSampling(row(jnp.float32), row(jnp.int32), row(jnp.float32),
-                                row(jnp.uint32, 2)))
+                   SlotSampling(*(row(s.dtype, *s.shape[1:]) for s in sampling_shapes(rows))))
     return {
         "serve prefill": (jax.jit(functools.partial(engine.prefill_chunk_program, graphdef),
                                   donate_argnums=3),
