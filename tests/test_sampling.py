@@ -120,3 +120,22 @@ def test_logit_bias_and_min_tokens_steer_the_draw_and_leave_logprobs_raw():
     tokens = np.asarray(tokens)
     assert not np.isin(tokens[:n], [1, 5]).any() and len(set(tokens[:n].tolist())) > 1
     assert (tokens[n:] == 3).all()
+
+
+def test_min_p_draws_only_tokens_that_share_of_the_likeliest():
+    """min_p 0.5 at temperature 1 keeps the tokens whose probability is at least half the
+    likeliest's (logits within log 2 of the top: ids 1, 2 and 5); min_p 0 keeps every token;
+    greedy rows are untouched."""
+    from k3text.inference.sampling import host_sampling, sample_slots
+
+    n = 300
+    rows = ([(1.0, 0, 1.0, s, 0, (), 0.5) for s in range(n)]
+            + [(1.0, 0, 1.0, s, 0, (), 0.0) for s in range(n)] + [(0.0, 0, 1.0, 0, 0, (), 0.9)])
+    tokens, _, _, _ = sample_slots(jnp.tile(LOGITS, (2 * n + 1, 1)), host_sampling(rows),
+                                   jnp.zeros(2 * n + 1, jnp.int32))
+    tokens = np.asarray(tokens)
+    keep = np.flatnonzero(np.asarray(LOGITS[0]) >= float(LOGITS.max()) + np.log(0.5))
+    assert keep.tolist() == [1, 2, 5]
+    assert set(tokens[:n].tolist()) == set(keep.tolist())
+    assert set(tokens[n:2 * n].tolist()) > set(keep.tolist())
+    assert tokens[-1] == 1

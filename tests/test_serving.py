@@ -922,6 +922,8 @@ def test_a_stop_string_counts_only_once_min_tokens_tokens_are_out(tokenizer):
         assert stream.stopped and sent + stream.add([], final=True) == want, min_tokens
     stream = TextStream(tokenizer, [". b"], first_dot + 1)  # begins inside, ends after them
     assert "".join(stream.add([t]) for t in ids) == "a" and stream.stopped
+    stream = TextStream(tokenizer, [". c", "."], first_dot + 1, include_stop=True)
+    assert "".join(stream.add([t]) for t in ids) == "a. b." and stream.stopped
 
 
 def test_a_stream_holds_back_what_may_start_a_stop_string(tokenizer):
@@ -993,6 +995,8 @@ def protocol(tokenizer):
     ({"stop": ["x" * 1001]}, "stop"),
     ({"seed": 2**64}, "seed"),
     ({"top_p": float("nan")}, "top_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": -0.1}, "min_p"),
 ])
 def test_odd_values_are_400s_naming_the_field(protocol, body, field):
     from k3text.serving.protocol import RequestError
@@ -1011,9 +1015,9 @@ def _chat(protocol, messages, **fields):
 
 
 @pytest.mark.parametrize("chat,field,value", [
-    (False, "best_of", 3), (False, "min_p", 0.1), (False, "suffix", "end"),
+    (False, "best_of", 3), (False, "suffix", "end"),
     (False, "skip_special_tokens", False),
-    (False, "include_stop_str_in_output", True), (False, "prompt_logprobs", 1),
+    (False, "prompt_logprobs", 1),
     (False, "response_format", {"type": "json_object"}), (False, "guided_regex", "a+"),
     (False, "best_of", True),  # true is not 1
     (True, "tools", [{"type": "function", "function": {"name": "f"}}]),
@@ -1039,7 +1043,7 @@ def test_fields_that_would_change_the_output_are_refused_naming_them(protocol, c
 
 def test_neutral_values_of_unsupported_fields_are_accepted(protocol):
     plain = _completion(protocol)
-    neutral = _completion(protocol, best_of=1, min_p=0.0,
+    neutral = _completion(protocol, best_of=1,
                           suffix=None, skip_special_tokens=True, response_format={"type": "text"},
                           user="someone", metadata={"a": "b"})
     assert neutral.prompt_ids == plain.prompt_ids and neutral.params == plain.params
@@ -1456,6 +1460,11 @@ def test_text_prompt_and_chat(shipped, tokenizer):
     assert r.choices[0].text == " Stun" and r.choices[0].finish_reason == "stop"
     counted = server.metrics()["k3text_generation_tokens_total"] - before
     assert counted == r.usage.completion_tokens < 8, (counted, r.usage)
+    kept = client.completions.create(model="k3-small", prompt="The capital of Zapouvia is",
+                                     max_tokens=8, temperature=0, stop=["."],
+                                     extra_body={"ignore_eos": True,
+                                                 "include_stop_str_in_output": True})
+    assert kept.choices[0].text == " Stun." and kept.usage == r.usage
     chat = client.chat.completions.create(
         model="k3-small", messages=[{"role": "user", "content": "The capital of Zapouvia is"}],
         max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
@@ -1785,7 +1794,7 @@ def _request_plan(prompts: list[list[int]], n: int, seed: int = 0) -> list[dict]
             # A leaver runs long (through eos, see `_body`): it is still running when it leaves.
             "max_tokens": 96 if leaves else rng.choice([1, 2, 5, 12, MAX_STEPS]),
             "sampled": k % 3 == 2,
-            "biased": k % 6 == 5,  # sampled, with logit_bias and min_tokens
+            "biased": k % 6 == 5,  # sampled, with logit_bias, min_tokens and min_p
             "stream": k % 2 == 1,
             "leave_after": rng.choice([1, 2]) if leaves else None,
             "delay": rng.uniform(0, 1.5),
@@ -1800,9 +1809,10 @@ def _body(prompts, item, model):
             "return_token_ids": True, "logprobs": 2, "return_tokens_as_token_ids": True}
     if item["sampled"]:
         body.update(temperature=0.8, top_p=0.95, top_k=50, seed=item["seed"])
-    if item.get("biased"):  # neither may reach the greedy requests beside it
+    if item.get("biased"):  # none may reach the greedy requests beside it
         body.update(logit_bias={str(3 + (item["seed"] * 7 + 31 * j) % 500): 4.0
-                                for j in range(4)}, min_tokens=min(4, item["max_tokens"]))
+                                for j in range(4)}, min_tokens=min(4, item["max_tokens"]),
+                    min_p=0.05)
     else:
         body["temperature"] = 0
     if item["leave_after"]:

@@ -2,9 +2,10 @@
 
 Every slot of a batch carries its own temperature, top-k, top-p and seed (`SlotSampling`), so
 a greedy request and a sampled one share a decode step and each gets its own. Temperature 0
-(below 1e-5) is greedy. Otherwise the logits are divided by the temperature, cut to the top k
-(0: no cut) and then to the smallest set of top tokens whose probability reaches p (ties at
-either edge kept), as vLLM and the OpenAI API define them. A slot's n-th token is drawn with
+(below 1e-5) is greedy. Otherwise the logits are divided by the temperature, cut to the tokens at
+least `min_p` times as likely as the likeliest, then to the top k (0: no cut) and then to the
+smallest set of top tokens whose probability reaches p (ties at either edge kept), as vLLM and
+the OpenAI API define them. A slot's n-th token is drawn with
 `fold_in(key(seed), n)`: with a fixed seed a request's tokens do not depend on the slot it sits
 in or on what else is in the batch.
 
@@ -40,11 +41,12 @@ class SlotSampling(NamedTuple):
     min_tokens: jax.Array  # [B] int32: the slot's stop ids are banned for its first tokens
     bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32: logit_bias's token ids, -1 = unused
     bias: jax.Array  # [B, MAX_LOGIT_BIAS] float32: added to those tokens' logits
+    min_p: jax.Array  # [B] float32 in [0, 1]; 0 = no cut
 
 
 # The logical axes of `SlotSampling`'s arrays, and their shapes for B rows.
 SAMPLING_AXES = SlotSampling(("batch",), ("batch",), ("batch",), ("batch", None), ("batch",),
-                             ("batch", None), ("batch", None))
+                             ("batch", None), ("batch", None), ("batch",))
 
 
 def sampling_shapes(rows: int) -> SlotSampling:
@@ -52,7 +54,8 @@ def sampling_shapes(rows: int) -> SlotSampling:
     shape = lambda dtype, *tail: jax.ShapeDtypeStruct((rows, *tail), dtype)  # noqa: E731
     return SlotSampling(shape(jnp.float32), shape(jnp.int32), shape(jnp.float32),
                         shape(jnp.uint32, 2), shape(jnp.int32),
-                        shape(jnp.int32, MAX_LOGIT_BIAS), shape(jnp.float32, MAX_LOGIT_BIAS))
+                        shape(jnp.int32, MAX_LOGIT_BIAS), shape(jnp.float32, MAX_LOGIT_BIAS),
+                        shape(jnp.float32))
 
 
 class SamplingRow(NamedTuple):
@@ -64,6 +67,7 @@ class SamplingRow(NamedTuple):
     seed: int
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), distinct ids
+    min_p: float = 0.0
 
 
 def seed_words(seed: int) -> tuple[int, int]:
@@ -89,7 +93,7 @@ def host_sampling(rows: list[tuple]) -> SlotSampling:
         top_p=np.asarray([r.top_p for r in rows], np.float32),
         seed=np.asarray([seed_words(r.seed) for r in rows], np.uint32).reshape(len(rows), 2),
         min_tokens=np.asarray([r.min_tokens for r in rows], np.int32),
-        bias_ids=bias_ids, bias=bias)
+        bias_ids=bias_ids, bias=bias, min_p=np.asarray([r.min_p for r in rows], np.float32))
 
 
 def config_sampling(cfg: Config, batch: int, seeds: list[int] | None = None) -> SlotSampling:
@@ -127,7 +131,10 @@ def _truncated(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arr
 
 def _draw(logits: jax.Array, params: SlotSampling, index: jax.Array) -> jax.Array:
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
-    shaped = _truncated(logits / temperature[:, None], params.top_k, params.top_p)
+    scaled = logits / temperature[:, None]
+    # min_p first, as vLLM orders them: p >= min_p * p_max, in logits (log 0 = -inf: no cut).
+    floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(params.min_p)[:, None]
+    shaped = _truncated(jnp.where(scaled < floor, -jnp.inf, scaled), params.top_k, params.top_p)
 
     def one(seed: jax.Array, n: jax.Array, row: jax.Array) -> jax.Array:
         key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])

@@ -58,9 +58,7 @@ def _absent_or(*neutral: Any) -> Callable[[Any], bool]:
 # that cannot change the output are accepted (`NO_EFFECT`).
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _absent_or(1),
-    "min_p": _absent_or(0, 0.0),
     "prompt_logprobs": _absent_or(),
-    "include_stop_str_in_output": _absent_or(False),
     "skip_special_tokens": _absent_or(True),  # special ids never have text here
     "use_beam_search": _absent_or(False),
     "allowed_token_ids": _absent_or(),
@@ -381,8 +379,10 @@ class Protocol:
             max_tokens=max_tokens,
             temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
             top_k=max(top_k, 0), top_p=_float(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
-            seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_ids), logprobs=logprobs,
-            ignore_eos=ignore_eos, min_tokens=min_tokens, logit_bias=self._logit_bias(body))
+            min_p=_float(body, "min_p", 0.0, 0.0, 1.0), seed=seed, stop=tuple(stop),
+            stop_token_ids=tuple(stop_ids), logprobs=logprobs, ignore_eos=ignore_eos,
+            min_tokens=min_tokens, logit_bias=self._logit_bias(body),
+            include_stop_str=_bool(body, "include_stop_str_in_output", False))
 
     def _logit_bias(self, body: dict) -> tuple[tuple[int, float], ...]:
         """`logit_bias`: {token id (as a JSON key, a string): bias in [-100, 100]}."""

@@ -92,12 +92,14 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
+    min_p: float = 0.0  # 0 = off
     seed: int | None = None  # None: a fresh random seed
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one found
     stop_token_ids: tuple[int, ...] = ()  # besides eos (unless ignore_eos)
     logprobs: int | None = None  # None: none; N: the chosen token's and the top N
     ignore_eos: bool = False  # generate through eos (benchmarks)
     min_tokens: int = 0  # no stop id or stop string ends the output before this many tokens
+    include_stop_str: bool = False  # the text ends after the stop string found, not before
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
 
@@ -513,7 +515,8 @@ class Scheduler:
             tokens[i, : len(r.prompt_ids)] = r.prompt_ids
             valid[i, : len(r.prompt_ids)] = True
             r.slot = -1 if self._apart else self._free.pop(0)
-            r.text = TextStream(self.tokenizer, r.params.stop, r.params.min_tokens)
+            r.text = TextStream(self.tokenizer, r.params.stop, r.params.min_tokens,
+                                r.params.include_stop_str)
             r.stop_ids = self.engine.stop_ids(r.params.stop_token_ids, r.params.ignore_eos)
         rows += [None] * (batch - len(rows))
         job = _Prefill(rows, prefix, tokens, valid, slices=slices)
@@ -560,7 +563,7 @@ class Scheduler:
         rows = [job.rows[i] if i in ready else None for i in range(len(job.rows))]
         params = [(r.params.temperature, r.params.top_k, r.params.top_p,
                    r.params.seed if r.params.seed is not None else secrets.randbits(64),
-                   r.params.min_tokens, r.params.logit_bias)
+                   r.params.min_tokens, r.params.logit_bias, r.params.min_p)
                   if r else (0.0, 0, 1.0, 0) for r in rows]
         stop = np.stack([r.stop_ids if r else np.full(MAX_STOP_IDS, -1, np.int32)
                          for r in rows])

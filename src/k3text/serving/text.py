@@ -5,8 +5,8 @@ Byte-level BPE tokens can end inside a UTF-8 character. `TextStream` feeds each 
 an incremental UTF-8 decoder, which holds an incomplete character back until its last byte comes
 and turns bytes that can never be valid into U+FFFD at once; text that may still be the start of
 a stop string is held back too, so a stream never sends text it later has to take back. A stop
-string ends the request and the returned text stops before it; one completed by one of the
-first `min_tokens` tokens does not count (as in vLLM).
+string ends the request and the returned text stops before it (or, with `include_stop`, right
+after it); one completed by one of the first `min_tokens` tokens does not count (as in vLLM).
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ class TextStream:
     """
 
     def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str] = (),
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.min_tokens = min_tokens
+        self.include_stop = include_stop
         self.ids: list[int] = []
         self.stopped = False  # a stop string was found; `text` ends before it
         self.kept = 0  # how many tokens of the last `add` were kept
@@ -62,10 +63,12 @@ class TextStream:
         self._rest += piece
         if len(self.ids) <= self.min_tokens:
             return
-        hits = [at for stop in self.stop
+        hits = [(at, len(stop)) for stop in self.stop
                 if (at := self._rest.find(stop, max(0, searched - len(stop) + 1))) >= 0]
         if hits:
-            self._rest, self.stopped = self._rest[:min(hits)], True
+            at, length = min(hits)  # the stop string that begins first
+            self._rest = self._rest[:at + length if self.include_stop else at]
+            self.stopped = True
 
     def add(self, ids: Sequence[int], final: bool = False) -> str:
         """Add tokens; returns the text that is now safe to send. `final` releases the rest.
