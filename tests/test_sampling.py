@@ -105,7 +105,7 @@ def test_logit_bias_and_min_tokens_steer_the_draw_and_leave_logprobs_raw():
             (0.0, 0, 1.0, 0, 1)]  # min_tokens 1 at token 1: nothing banned
     stop_ids = jnp.asarray([[1, 5, -1]] * 5, jnp.int32)
     index = jnp.asarray([0, 0, 0, 1, 1], jnp.int32)
-    tokens, chosen, _, _ = sample_slots(logits, host_sampling(rows), index, 0, stop_ids)
+    tokens, chosen, _, _ = sample_slots(logits, host_sampling(rows, 6), index, 0, stop_ids)
     assert np.asarray(tokens).tolist() == [1, 5, 0, 2, 1]
     raw = np.asarray(jax.nn.log_softmax(LOGITS[0]))
     np.testing.assert_allclose(np.asarray(chosen), raw[[1, 5, 0, 2, 1]], rtol=1e-6)
@@ -113,7 +113,7 @@ def test_logit_bias_and_min_tokens_steer_the_draw_and_leave_logprobs_raw():
     # Sampled: over 300 seeds a banned stop id never comes, and a strong bias always wins.
     n = 300
     sampled = host_sampling([(1.0, 0, 1.0, s, 5) for s in range(n)]
-                            + [(1.0, 0, 1.0, s, 0, ((3, 100.0),)) for s in range(n)])
+                            + [(1.0, 0, 1.0, s, 0, ((3, 100.0),)) for s in range(n)], 6)
     tokens, _, _, _ = sample_slots(jnp.tile(LOGITS, (2 * n, 1)), sampled,
                                    jnp.zeros(2 * n, jnp.int32), 0,
                                    jnp.asarray([[1, 5, -1]] * (2 * n), jnp.int32))
@@ -131,7 +131,7 @@ def test_min_p_draws_only_tokens_that_share_of_the_likeliest():
     n = 300
     rows = ([(1.0, 0, 1.0, s, 0, (), 0.5) for s in range(n)]
             + [(1.0, 0, 1.0, s, 0, (), 0.0) for s in range(n)] + [(0.0, 0, 1.0, 0, 0, (), 0.9)])
-    tokens, _, _, _ = sample_slots(jnp.tile(LOGITS, (2 * n + 1, 1)), host_sampling(rows),
+    tokens, _, _, _ = sample_slots(jnp.tile(LOGITS, (2 * n + 1, 1)), host_sampling(rows, 6),
                                    jnp.zeros(2 * n + 1, jnp.int32))
     tokens = np.asarray(tokens)
     keep = np.flatnonzero(np.asarray(LOGITS[0]) >= float(LOGITS.max()) + np.log(0.5))
@@ -139,3 +139,30 @@ def test_min_p_draws_only_tokens_that_share_of_the_likeliest():
     assert set(tokens[:n].tolist()) == set(keep.tolist())
     assert set(tokens[n:2 * n].tolist()) > set(keep.tolist())
     assert tokens[-1] == 1
+
+
+def test_penalties_match_a_float64_reference():
+    """Repetition over prompt and output tokens (divided where positive, multiplied where
+    negative), then frequency x count and presence once per output token; a row asking for
+    none is untouched."""
+    from k3text.inference.sampling import SamplingRow, _adjusted, host_sampling
+
+    rng = np.random.default_rng(0)
+    vocab = 37  # not a multiple of 8: the prompt's bits end mid-byte
+    logits = rng.normal(0, 3, (3, vocab))
+    counts = rng.integers(0, 3, (3, vocab)) * (rng.random((3, vocab)) < 0.3)
+    prompts = [(1, 5, 36), (0, 36), (2, 3)]
+    rows = [SamplingRow(1.0, 0, 1.0, 0, presence_penalty=0.7, frequency_penalty=-0.4,
+                        repetition_penalty=1.5, prompt=prompts[0]),
+            SamplingRow(1.0, 0, 1.0, 0, repetition_penalty=0.6, prompt=prompts[1]),
+            SamplingRow(1.0, 0, 1.0, 0, prompt=prompts[2])]
+    got = _adjusted(jnp.asarray(logits, jnp.float32), host_sampling(rows, vocab),
+                    jnp.zeros(3, jnp.int32), None, jnp.asarray(counts, jnp.int32))
+    want = logits.copy()
+    for i, r in enumerate(rows):
+        seen = np.isin(np.arange(vocab), r.prompt) | (counts[i] > 0)
+        rep = np.where(seen, r.repetition_penalty, 1.0)
+        want[i] = np.where(want[i] > 0, want[i] / rep, want[i] * rep)
+        want[i] -= r.frequency_penalty * counts[i] + r.presence_penalty * (counts[i] > 0)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(logits[2], np.float32))

@@ -184,7 +184,7 @@ def test_a_chunk_riding_a_decode_step_equals_separate_calls(tiny, scan_layers):
     valid = np.zeros(tokens.shape, bool)
     for i, p in enumerate(waiting):
         tokens[i, : len(p)], valid[i, : len(p)] = p, True
-    params = sampling.host_sampling([(0.0, 0, 1.0, 0), (0.9, 20, 0.95, 77)])
+    params = sampling.host_sampling([(0.0, 0, 1.0, 0), (0.9, 20, 0.95, 77)], cfg.vocab_size)
     stop = np.tile(engine.stop_ids(), (2, 1))
     inserts = [[-1, 3], [0, -1]]  # per chunk: the slot of each row whose prompt it ends
 
@@ -848,14 +848,15 @@ def test_a_released_slot_stops_and_is_reused_cleanly(tiny):
 def test_seeded_sampling_does_not_depend_on_slot_or_batch(tiny):
     cfg, engine = tiny
     prompt = [4, 8, 15, 16, 23, 42]
-    params = sampling.host_sampling([(0.9, 20, 0.95, 1234)])
+    params = sampling.host_sampling([(0.9, 20, 0.95, 1234)], cfg.vocab_size)
 
     def run(slot, neighbours):
         pool = engine.new_pool(4)
         stop = engine.stop_ids()[None]
         for other_slot, other in neighbours:
             pool, _ = engine.insert(pool, engine.prefill([other]), [other_slot], [8], stop,
-                                    sampling.host_sampling([(1.0, 0, 1.0, other_slot)]))
+                                    sampling.host_sampling([(1.0, 0, 1.0, other_slot)],
+                                                           cfg.vocab_size))
         pool, first = engine.insert(pool, engine.prefill([prompt]), [slot], [8], stop, params)
         pool, got = _run_pool(engine, pool)
         return [int(first.ids[0]), *got[slot]]
@@ -863,6 +864,59 @@ def test_seeded_sampling_does_not_depend_on_slot_or_batch(tiny):
     alone = run(0, [])
     assert run(2, [(0, [3, 3, 3]), (1, list(range(3, 40))), (3, [7])]) == alone
     assert len(alone) == 8
+
+
+def _argmax_checked(values: np.ndarray, chosen: int, where: str) -> None:
+    """`chosen` is the argmax of `values`, or ties it within float32 rounding."""
+    assert values[chosen] >= values.max() - 1e-4 * max(1.0, abs(values.max())), where
+
+
+def test_penalties_steer_each_token_by_the_prompt_and_the_output_so_far(tiny):
+    """Greedy slots with penalties, against float64 references: the first token (sampled at
+    insert) with the repetition penalty over the prompt's tokens, from the prefix's own logits;
+    each later token with the frequency and presence penalties over the tokens the slot has
+    output so far (its first included), from the step's whole-vocabulary log-probabilities
+    (the penalties shift logits, so log-probabilities rank as logits do). A neighbour slot
+    with no penalties decodes as it does alone."""
+    cfg, engine = tiny
+    vocab, stop = cfg.vocab_size, engine.stop_ids()[None]
+    prompt = [4, 8, 15, 16, 23, 42, 4, 8]
+    rep, freq, pres = 0.4, -1.5, -1.0  # below 1 and 0: the tokens seen are favoured
+
+    prefix = engine.prefill([prompt])
+    raw = np.asarray(prefix.logits[0], np.float64)
+    seen = np.isin(np.arange(vocab), prompt)
+    steered = np.where(seen, np.where(raw > 0, raw / rep, raw * rep), raw)
+    assert steered.argmax() != raw.argmax()  # the case is one where it matters
+    row = sampling.SamplingRow(0.0, 0, 1.0, 0, repetition_penalty=rep, prompt=tuple(prompt))
+    pool, first = engine.insert(engine.new_pool(4), prefix, [2], [12], stop,
+                                sampling.host_sampling([row], vocab))
+    _argmax_checked(steered, int(first.ids[0]), "first token")
+
+    def neighbour_alone() -> list[int]:
+        pool, _ = engine.insert(engine.new_pool(4), engine.prefill([[5, 6, 7]]), [0], [10],
+                                stop, sampling.config_sampling(cfg, 1))
+        return _run_pool(engine, pool)[1][0]
+
+    row = sampling.SamplingRow(0.0, 0, 1.0, 0, frequency_penalty=freq, presence_penalty=pres)
+    pool, first = engine.insert(pool, engine.prefill([prompt]), [1], [12], stop,
+                                sampling.host_sampling([row], vocab))
+    pool, _ = engine.insert(pool, engine.prefill([[5, 6, 7]]), [0], [10], stop,
+                            sampling.config_sampling(cfg, 1))
+    counts = np.zeros(vocab)
+    counts[int(first.ids[0])] += 1
+    pool, out = engine.generate(pool, 11, top_n=vocab)
+    assert int(out.count[1]) == 11
+    steered = 0  # steps where the penalties changed the choice
+    for t in range(11):
+        logp = np.empty(vocab)
+        logp[out.top_ids[1, t]] = out.top_logprobs[1, t]
+        _argmax_checked(logp - freq * counts - pres * (counts > 0), int(out.ids[1, t]),
+                        f"step {t}")
+        steered += logp.argmax() != out.ids[1, t]
+        counts[int(out.ids[1, t])] += 1
+    assert steered
+    assert out.ids[0, : out.count[0]].tolist() == neighbour_alone()[: int(out.count[0])]
 
 
 def test_per_slot_sampling_in_one_batch():
@@ -873,7 +927,7 @@ def test_per_slot_sampling_in_one_batch():
     seeds = 300
     params = sampling.host_sampling([row for seed in range(seeds) for row in (
         (0.0, 0, 1.0, seed), (1.0, 2, 1.0, seed), (1.0, 0, nucleus, seed),
-        (1.0, 0, 1.0, seed))])
+        (1.0, 0, 1.0, seed))], 6)
     tokens, chosen, top_ids, top_lps = jax.jit(sampling.sample_slots, static_argnums=3)(
         jnp.tile(logits[:1], (4 * seeds, 1)), params, jnp.zeros(4 * seeds, jnp.int32), 3)
     np.testing.assert_allclose(chosen, jax.nn.log_softmax(logits[0])[tokens], rtol=1e-6)
@@ -1328,7 +1382,7 @@ def test_invalid_bytes_stream_at_once_and_a_split_character_is_no_replacement():
 
 def test_a_tiny_temperature_is_greedy():
     logits = jnp.asarray([[0.0, 3.0, 2.5, -1.0]], jnp.float32)
-    params = sampling.host_sampling([(1e-40, 0, 1.0, 7)])
+    params = sampling.host_sampling([(1e-40, 0, 1.0, 7)], 4)
     tokens, chosen, _, _ = sampling.sample_slots(logits, params, jnp.zeros(1, jnp.int32))
     assert int(tokens[0]) == 1 and np.isfinite(chosen).all()
 
@@ -1733,8 +1787,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "stop": 5}, "stop"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "stop_token_ids": [600]},
      "stop_token_ids"),
-    ("/v1/completions", {"model": "k3-small", "prompt": "x", "presence_penalty": 0.5},
+    ("/v1/completions", {"model": "k3-small", "prompt": "x", "presence_penalty": 2.5},
      "presence_penalty"),
+    ("/v1/completions", {"model": "k3-small", "prompt": "x", "repetition_penalty": 0},
+     "repetition_penalty"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "stream_options": {}},
      "stream_options"),
     ("/v1/chat/completions", {"model": "k3-small", "messages": []}, "messages"),
@@ -1794,7 +1850,7 @@ def _request_plan(prompts: list[list[int]], n: int, seed: int = 0) -> list[dict]
             # A leaver runs long (through eos, see `_body`): it is still running when it leaves.
             "max_tokens": 96 if leaves else rng.choice([1, 2, 5, 12, MAX_STEPS]),
             "sampled": k % 3 == 2,
-            "biased": k % 6 == 5,  # sampled, with logit_bias, min_tokens and min_p
+            "biased": k % 6 == 5,  # sampled, with logit_bias, min_tokens, min_p, penalties
             "stream": k % 2 == 1,
             "leave_after": rng.choice([1, 2]) if leaves else None,
             "delay": rng.uniform(0, 1.5),
@@ -1812,7 +1868,8 @@ def _body(prompts, item, model):
     if item.get("biased"):  # none may reach the greedy requests beside it
         body.update(logit_bias={str(3 + (item["seed"] * 7 + 31 * j) % 500): 4.0
                                 for j in range(4)}, min_tokens=min(4, item["max_tokens"]),
-                    min_p=0.05)
+                    min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3,
+                    repetition_penalty=1.2)
     else:
         body["temperature"] = 0
     if item["leave_after"]:

@@ -82,6 +82,7 @@ class Slots(NamedTuple):
     produced: jax.Array  # int32: tokens generated so far (the next token's number)
     limit: jax.Array  # int32: tokens this sequence may generate in all
     stop_ids: jax.Array  # [S, MAX_STOP_IDS] int32, -1 = unused
+    counts: jax.Array  # [S, vocab] int32: each token's count in the output so far (penalties)
     sampling: SlotSampling
 
 
@@ -106,7 +107,8 @@ class Tokens(NamedTuple):
 
 
 SLOT_AXES = Slots(tokens=("batch",), active=("batch",), produced=("batch",), limit=("batch",),
-                  stop_ids=("batch", None), sampling=sampling.SAMPLING_AXES)
+                  stop_ids=("batch", None), counts=("batch", None),
+                  sampling=sampling.SAMPLING_AXES)
 
 
 class Later[T]:
@@ -692,9 +694,10 @@ def insert_program(pool: Pool, prefix: Prefix, slots: jax.Array, limit: jax.Arra
     """Prefix row i into slot `slots[i]` (every array of the slot written; -1: dropped), with
     its first token sampled. Returns the pool and (first, logprob, top ids, top logprobs,
     active) per row."""
-    rows = prefix.logits.shape[0]
+    rows, vocab = prefix.logits.shape[0], pool.slots.counts.shape[1]
+    nothing_yet = jnp.zeros((rows, vocab), jnp.int32)
     first, lp, top_ids, top_lps = sampling.sample_slots(
-        prefix.logits, params, jnp.zeros(rows, jnp.int32), top_n, stop_ids)
+        prefix.logits, params, jnp.zeros(rows, jnp.int32), top_n, stop_ids, nothing_yet)
     active = ~(_is_stop(first, stop_ids) | (limit <= 1))
     # Padding rows carry slot -1: moved past the end, their writes are dropped.
     at = jnp.where(slots < 0, pool.slots.tokens.shape[0], slots)
@@ -714,6 +717,7 @@ def insert_program(pool: Pool, prefix: Prefix, slots: jax.Array, limit: jax.Arra
     new = Slots(tokens=put_slot(s.tokens, first), active=put_slot(s.active, active),
                 produced=put_slot(s.produced, jnp.ones(rows, jnp.int32)),
                 limit=put_slot(s.limit, limit), stop_ids=put_slot(s.stop_ids, stop_ids),
+                counts=put_slot(s.counts, _counted(nothing_yet, first, jnp.ones(rows, bool))),
                 sampling=SlotSampling(*(put_slot(w, p) for w, p in
                                         zip(s.sampling, params, strict=True))))
     return Pool(state, new), (first, lp, top_ids, top_lps, active)
@@ -744,10 +748,10 @@ def _decode_loop(cfg: Config, model: Decoder, pool: Pool, max_steps: int,
     restack = not cfg.scan_layers and not is_per_layer(pool.state)
     state = per_layer_state(pool.state) if restack else pool.state
     carry = jax.lax.while_loop(cond, body, _first_carry(cfg, slots, state, max_steps, top_n))
-    steps, tokens, active, produced, out, lps, top_ids, top_lps, state = carry
+    steps, tokens, active, produced, out, lps, top_ids, top_lps, counts, state = carry
     if restack:
         state = stacked_state(state)
-    new_slots = slots._replace(tokens=tokens, active=active, produced=produced)
+    new_slots = slots._replace(tokens=tokens, active=active, produced=produced, counts=counts)
     return Pool(state, new_slots), (out, lps, top_ids, top_lps, produced - slots.produced,
                                     active, steps)
 
@@ -769,8 +773,8 @@ def decode_and_prefill_program(cfg: Config, graphdef: Any, params: Any, pool: Po
     logits, state, chunk_logits, prefix_state = model.decode_and_prefill(
         s.tokens, pool.state, tokens, valid, prefix.state, start)
     carry = _advance(cfg, s, top_n, _first_carry(cfg, s, pool.state, 1, top_n), logits, state)
-    steps, last, active, produced, out, lps, top_ids, top_lps, state = carry
-    pool = Pool(state, s._replace(tokens=last, active=active, produced=produced))
+    steps, last, active, produced, out, lps, top_ids, top_lps, counts, state = carry
+    pool = Pool(state, s._replace(tokens=last, active=active, produced=produced, counts=counts))
     ends_here = jnp.any(valid, axis=1)
     prefix = Prefix(jnp.where(ends_here[:, None], chunk_logits, prefix.logits), prefix_state)
     pool, first = insert_program(pool, prefix, slots, limit, stop_ids, sampling_params, top_n)
@@ -784,32 +788,43 @@ def decode_and_prefill_program(cfg: Config, graphdef: Any, params: Any, pool: Po
 def _first_carry(cfg: Config, slots: Slots, state: DecodeState, max_steps: int,
                  top_n: int) -> tuple:
     """The decode loop's carry before its first step: (step, last tokens, active, produced,
-    tokens out [S, max_steps], their logprobs, top ids, top logprobs, state)."""
+    tokens out [S, max_steps], their logprobs, top ids, top logprobs, output token counts,
+    state)."""
     n = slots.tokens.shape[0]
     return (jnp.int32(0), slots.tokens, slots.active, slots.produced,
             jnp.full((n, max_steps), cfg.pad_token_id, jnp.int32),
             jnp.zeros((n, max_steps), jnp.float32), jnp.zeros((n, max_steps, top_n), jnp.int32),
-            jnp.zeros((n, max_steps, top_n), jnp.float32), state)
+            jnp.zeros((n, max_steps, top_n), jnp.float32), slots.counts, state)
 
 
 def _advance(cfg: Config, slots: Slots, top_n: int, carry: tuple, logits: jax.Array,
              new_state: DecodeState) -> tuple:
     """The carry after one decode step that gave `logits` and `new_state`: each active slot's
     token sampled with its own parameters and recorded, stops and limits applied."""
-    step, tokens, active, produced, out, lps, top_ids, top_lps, state = carry
+    step, tokens, active, produced, out, lps, top_ids, top_lps, counts, state = carry
     # Free slots run too (fixed shapes) but their length stays put, so their cache writes stay
     # in range; `insert` overwrites everything a free slot holds.
     state = new_state._replace(lengths=jnp.where(active, new_state.lengths, state.lengths))
     sampled, lp, t_ids, t_lps = sampling.sample_slots(logits, slots.sampling, produced, top_n,
-                                                      slots.stop_ids)
+                                                      slots.stop_ids, counts)
     out = out.at[:, step].set(jnp.where(active, sampled, cfg.pad_token_id))
     lps = lps.at[:, step].set(jnp.where(active, lp, 0.0))
     top_ids = top_ids.at[:, step].set(t_ids)
     top_lps = top_lps.at[:, step].set(t_lps)
     produced = produced + active.astype(jnp.int32)
     finished = _is_stop(sampled, slots.stop_ids) | (produced >= slots.limit)
+    counts = _counted(counts, sampled, active)
     tokens = jnp.where(active, sampled, tokens)
-    return (step + 1, tokens, active & ~finished, produced, out, lps, top_ids, top_lps, state)
+    return (step + 1, tokens, active & ~finished, produced, out, lps, top_ids, top_lps, counts,
+            state)
+
+
+def _counted(counts: jax.Array, tokens: jax.Array, where: jax.Array) -> jax.Array:
+    """`counts` [S, vocab] with each row's token counted once more where `where` holds: an
+    elementwise pass (it fuses with the penalties' own), row by row, so a batch split over
+    devices stays split."""
+    hit = jnp.arange(counts.shape[1]) == tokens[:, None]
+    return counts + (hit & where[:, None]).astype(counts.dtype)
 
 
 def release_program(pool: Pool, free: jax.Array) -> Pool:
@@ -831,7 +846,8 @@ def pool_shapes(cfg: Config, slots: int) -> Pool:
     return Pool(_pool_state_form(cfg, state_shapes(cfg, slots), STATE_AXES)[0],
                 Slots(tokens=i32(), active=jax.ShapeDtypeStruct((slots,), jnp.bool_),
                       produced=i32(), limit=i32(), stop_ids=i32(MAX_STOP_IDS),
-                      sampling=sampling.sampling_shapes(slots)))
+                      counts=i32(cfg.vocab_size),
+                      sampling=sampling.sampling_shapes(slots, cfg.vocab_size)))
 
 
 def pool_axes(cfg: Config) -> Pool:

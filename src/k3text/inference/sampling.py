@@ -9,9 +9,13 @@ the OpenAI API define them. A slot's n-th token is drawn with
 `fold_in(key(seed), n)`: with a fixed seed a request's tokens do not depend on the slot it sits
 in or on what else is in the batch.
 
-Before any of that, as vLLM applies them: a slot's `logit_bias` is added to its logits, and
-while it has produced fewer than its `min_tokens` tokens its stop ids (eos and the request's
-stop token ids) cannot be drawn, greedy or sampled. Log-probabilities (of the chosen token and
+Before any of that, in vLLM's order: a slot's `logit_bias` is added to its logits; while it has
+produced fewer than its `min_tokens` tokens its stop ids (eos and the request's stop token ids)
+cannot be drawn; then the penalties: a token seen in the prompt or the output so far has its
+logit divided by `repetition_penalty` where positive and multiplied by it where negative
+(Hugging Face's and vLLM's rule), and a token of the output loses `frequency_penalty` times its
+count and `presence_penalty` once (OpenAI's). All of these steer greedy and sampled choices
+alike. Log-probabilities (of the chosen token and
 of the top-N) are always under the unmodified model distribution (vLLM's raw log-probabilities).
 
 `sample(cfg, logits, key)` maps the offline `decode_sampling_*` keys onto the same function.
@@ -42,20 +46,26 @@ class SlotSampling(NamedTuple):
     bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32: logit_bias's token ids, -1 = unused
     bias: jax.Array  # [B, MAX_LOGIT_BIAS] float32: added to those tokens' logits
     min_p: jax.Array  # [B] float32 in [0, 1]; 0 = no cut
+    presence_penalty: jax.Array  # [B] float32; 0 = off
+    frequency_penalty: jax.Array  # [B] float32; 0 = off
+    repetition_penalty: jax.Array  # [B] float32 > 0; 1 = off
+    prompt_bits: jax.Array  # [B, ceil(vocab / 8)] uint8: the prompt's tokens, a bit each
 
 
 # The logical axes of `SlotSampling`'s arrays, and their shapes for B rows.
 SAMPLING_AXES = SlotSampling(("batch",), ("batch",), ("batch",), ("batch", None), ("batch",),
-                             ("batch", None), ("batch", None), ("batch",))
+                             ("batch", None), ("batch", None), ("batch",), ("batch",),
+                             ("batch",), ("batch",), ("batch", None))
 
 
-def sampling_shapes(rows: int) -> SlotSampling:
-    """ShapeDtypeStructs of `SlotSampling` for `rows` rows."""
+def sampling_shapes(rows: int, vocab: int) -> SlotSampling:
+    """ShapeDtypeStructs of `SlotSampling` for `rows` rows over a `vocab`-token vocabulary."""
     shape = lambda dtype, *tail: jax.ShapeDtypeStruct((rows, *tail), dtype)  # noqa: E731
     return SlotSampling(shape(jnp.float32), shape(jnp.int32), shape(jnp.float32),
                         shape(jnp.uint32, 2), shape(jnp.int32),
                         shape(jnp.int32, MAX_LOGIT_BIAS), shape(jnp.float32, MAX_LOGIT_BIAS),
-                        shape(jnp.float32))
+                        shape(jnp.float32), shape(jnp.float32), shape(jnp.float32),
+                        shape(jnp.float32), shape(jnp.uint8, -(-vocab // 8)))
 
 
 class SamplingRow(NamedTuple):
@@ -68,6 +78,10 @@ class SamplingRow(NamedTuple):
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), distinct ids
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    prompt: tuple[int, ...] = ()  # the prompt's ids (what the repetition penalty counts as seen)
 
 
 def seed_words(seed: int) -> tuple[int, int]:
@@ -76,9 +90,12 @@ def seed_words(seed: int) -> tuple[int, int]:
     return seed & 0xFFFFFFFF, seed >> 32
 
 
-def host_sampling(rows: list[tuple]) -> SlotSampling:
+def host_sampling(rows: list[tuple], vocab: int) -> SlotSampling:
     """`SlotSampling` host arrays from a `SamplingRow` (or a tuple of its fields) per row."""
     rows = [SamplingRow(*r) for r in rows]
+    seen = np.zeros((len(rows), vocab), bool)
+    for i, r in enumerate(rows):
+        seen[i, list(r.prompt)] = True
     bias_ids = np.full((len(rows), MAX_LOGIT_BIAS), -1, np.int32)
     bias = np.zeros((len(rows), MAX_LOGIT_BIAS), np.float32)
     for i, r in enumerate(rows):
@@ -93,7 +110,11 @@ def host_sampling(rows: list[tuple]) -> SlotSampling:
         top_p=np.asarray([r.top_p for r in rows], np.float32),
         seed=np.asarray([seed_words(r.seed) for r in rows], np.uint32).reshape(len(rows), 2),
         min_tokens=np.asarray([r.min_tokens for r in rows], np.int32),
-        bias_ids=bias_ids, bias=bias, min_p=np.asarray([r.min_p for r in rows], np.float32))
+        bias_ids=bias_ids, bias=bias, min_p=np.asarray([r.min_p for r in rows], np.float32),
+        presence_penalty=np.asarray([r.presence_penalty for r in rows], np.float32),
+        frequency_penalty=np.asarray([r.frequency_penalty for r in rows], np.float32),
+        repetition_penalty=np.asarray([r.repetition_penalty for r in rows], np.float32),
+        prompt_bits=np.packbits(seen, axis=-1, bitorder="little"))
 
 
 def config_sampling(cfg: Config, batch: int, seeds: list[int] | None = None) -> SlotSampling:
@@ -104,7 +125,7 @@ def config_sampling(cfg: Config, batch: int, seeds: list[int] | None = None) -> 
     top_k = cfg.decode_sampling_top_k if strategy in ("topk", "composite") else 0
     top_p = cfg.decode_sampling_nucleus_p if strategy in ("nucleus", "composite") else 1.0
     seeds = [cfg.seed + i for i in range(batch)] if seeds is None else seeds
-    return host_sampling([(temperature, top_k, top_p, s) for s in seeds])
+    return host_sampling([(temperature, top_k, top_p, s) for s in seeds], cfg.vocab_size)
 
 
 def _truncated(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -144,27 +165,36 @@ def _draw(logits: jax.Array, params: SlotSampling, index: jax.Array) -> jax.Arra
 
 
 def _adjusted(logits: jax.Array, params: SlotSampling, index: jax.Array,
-              stop_ids: jax.Array | None) -> jax.Array:
-    """`logits` with each row's `logit_bias` added and, while a row's token number `index` is
-    below its `min_tokens`, its `stop_ids` (-1: unused) at -inf. Row by row scatters, always
-    run: a branch on whether any row asks would cost a reduction over the batch (a collective
-    where the batch is split), and the scatters write a few hundred entries per row."""
+              stop_ids: jax.Array | None, counts: jax.Array | None) -> jax.Array:
+    """`logits` with each row's `logit_bias` added; while a row's token number `index` is
+    below its `min_tokens`, its `stop_ids` (-1: unused) at -inf; then, given the rows' output
+    token `counts` [B, vocab], the penalties. Always run: a branch on whether any row asks
+    would cost a reduction over the batch (a collective where the batch is split), and the
+    work is a few hundred scattered entries and a few elementwise passes per row."""
     vocab = logits.shape[-1]
     # Unused entries point past the vocabulary, where the scatters drop them.
     add = jax.vmap(lambda row, ids, values: row.at[ids].add(values, mode="drop"))
     logits = add(logits, jnp.where(params.bias_ids < 0, vocab, params.bias_ids), params.bias)
-    if stop_ids is None:
+    if stop_ids is not None:
+        early = index < params.min_tokens
+        ban = jax.vmap(lambda row, ids: row.at[ids].set(-jnp.inf, mode="drop"))
+        logits = ban(logits, jnp.where((stop_ids < 0) | ~early[:, None], vocab, stop_ids))
+    if counts is None:
         return logits
-    early = index < params.min_tokens
-    ban = jax.vmap(lambda row, ids: row.at[ids].set(-jnp.inf, mode="drop"))
-    return ban(logits, jnp.where((stop_ids < 0) | ~early[:, None], vocab, stop_ids))
+    in_prompt = jnp.unpackbits(params.prompt_bits, axis=-1, count=vocab, bitorder="little")
+    seen = (in_prompt > 0) | (counts > 0)
+    repetition = jnp.where(seen, params.repetition_penalty[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / repetition, logits * repetition)
+    return (logits - params.frequency_penalty[:, None] * counts
+            - params.presence_penalty[:, None] * (counts > 0))
 
 
 def sample_slots(logits: jax.Array, params: SlotSampling, index: jax.Array, top_n: int = 0,
-                 stop_ids: jax.Array | None = None,
+                 stop_ids: jax.Array | None = None, counts: jax.Array | None = None,
                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Sample one token per row of logits [B, vocab]; `index` [B] is each row's token number,
-    `stop_ids` [B, n] its stop ids (what `min_tokens` bans; None: nothing banned).
+    `stop_ids` [B, n] its stop ids (what `min_tokens` bans; None: nothing banned), `counts`
+    [B, vocab] int32 how often each token came in its output so far (None: no penalties).
 
     Returns (tokens [B] int32, their log-probabilities [B], top-N token ids [B, top_n] int32,
     top-N log-probabilities [B, top_n]). Batches with no sampled row skip the sort."""
@@ -172,7 +202,7 @@ def sample_slots(logits: jax.Array, params: SlotSampling, index: jax.Array, top_
     # of logits, never of the head's weight): the sort, argmax, softmax and top-N below then
     # run locally instead of as a collective per reduction.
     logits = sharding.gather_features([logits.astype(jnp.float32)], ["vocab"])[0]
-    shaped = _adjusted(logits, params, index, stop_ids)
+    shaped = _adjusted(logits, params, index, stop_ids, counts)
     greedy = jnp.argmax(shaped, axis=-1).astype(jnp.int32)
     # Below this a temperature only overflows the scaled logits: greedy, as vLLM treats it.
     sampled = params.temperature >= 1e-5

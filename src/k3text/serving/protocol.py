@@ -2,7 +2,7 @@
 `SamplingParams`, and the response, stream-chunk and error objects.
 
 Every check names its field (`RequestError.param`), so a client sees which value is wrong. What
-the server cannot do (echo, penalties, batched prompts, tools, structured output, ...: the
+the server cannot do (echo, batched prompts, tools, structured output, ...: the
 fields of `UNSUPPORTED`) is refused when it is asked for, never silently ignored. A field that
 nothing here reads at all (a misspelt `max_token`, another server's extension) is accepted, as
 vLLM accepts it, and named in `Parsed.ignored`, which the server logs.
@@ -314,10 +314,6 @@ class Protocol:
     def _common(self, body: Any) -> _Read:
         """The checks every generation request gets; the body, recording the fields read."""
         body = self._body(body)
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("repetition_penalty", 1.0)):
-            if _float(body, name, neutral, -2.0, 2.0) != neutral:
-                raise RequestError(f"'{name}' is not supported", name)
         _refuse_unsupported(body, UNSUPPORTED)
         return body
 
@@ -379,7 +375,11 @@ class Protocol:
             max_tokens=max_tokens,
             temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
             top_k=max(top_k, 0), top_p=_float(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
-            min_p=_float(body, "min_p", 0.0, 0.0, 1.0), seed=seed, stop=tuple(stop),
+            min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+            presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, 2.0, open_low=True),
+            seed=seed, stop=tuple(stop),
             stop_token_ids=tuple(stop_ids), logprobs=logprobs, ignore_eos=ignore_eos,
             min_tokens=min_tokens, logit_bias=self._logit_bias(body),
             include_stop_str=_bool(body, "include_stop_str_in_output", False))

@@ -50,7 +50,7 @@ import numpy as np
 from k3text.config import Config
 from k3text.inference.engine import MAX_STOP_IDS, Engine, Later, Pool, Prefix, Tokens
 from k3text.inference.prefix_cache import Chain, PrefixCache
-from k3text.inference.sampling import host_sampling
+from k3text.inference.sampling import SamplingRow, host_sampling
 from k3text.serving.metrics import Metrics
 from k3text.serving.text import TextStream
 from k3text.tokenizer import Tokenizer
@@ -93,6 +93,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     min_p: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0  # 0 = off
+    frequency_penalty: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
     seed: int | None = None  # None: a fresh random seed
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one found
     stop_token_ids: tuple[int, ...] = ()  # besides eos (unless ignore_eos)
@@ -556,20 +559,28 @@ class Scheduler:
             self.prefix_cache.end(job.chains[row])
             job.chains[row] = None
 
-    @staticmethod
-    def _insert_args(job: _Prefill, ready: list[int]) -> tuple:
+    def _insert_args(self, job: _Prefill, ready: list[int]) -> tuple:
         """`Engine.insert`'s per-row arguments (slots, limits, stop ids, sampling) for the rows
         `ready` of `job`; every other row is padding (slot -1)."""
         rows = [job.rows[i] if i in ready else None for i in range(len(job.rows))]
-        params = [(r.params.temperature, r.params.top_k, r.params.top_p,
-                   r.params.seed if r.params.seed is not None else secrets.randbits(64),
-                   r.params.min_tokens, r.params.logit_bias, r.params.min_p)
-                  if r else (0.0, 0, 1.0, 0) for r in rows]
+
+        def row(r: Request) -> SamplingRow:
+            p = r.params
+            return SamplingRow(
+                temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                seed=p.seed if p.seed is not None else secrets.randbits(64),
+                min_tokens=p.min_tokens, logit_bias=p.logit_bias, min_p=p.min_p,
+                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                repetition_penalty=p.repetition_penalty,
+                # Only the repetition penalty reads the prompt's tokens.
+                prompt=tuple(r.prompt_ids) if p.repetition_penalty != 1.0 else ())
+
+        params = [row(r) if r else (0.0, 0, 1.0, 0) for r in rows]
         stop = np.stack([r.stop_ids if r else np.full(MAX_STOP_IDS, -1, np.int32)
                          for r in rows])
         return ([r.slot if r else -1 for r in rows], [r.params.max_tokens if r else 1
                                                        for r in rows],
-                stop, host_sampling(params))
+                stop, host_sampling(params, self.cfg.vocab_size))
 
     def _insert_finished_rows(self, job: _Prefill) -> None:
         """Insert the rows whose prompts ended within the chunks run so far (apart, as many as

@@ -155,8 +155,9 @@ def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
     params = inputs["params"]
     graphdef = inputs["graphdef"]
     steps, top_n = cfg.serve_steps_per_call, cfg.serve_max_logprobs
+    params_shapes = sampling_shapes(rows, cfg.vocab_size)
     insert_args = (row(jnp.int32), row(jnp.int32), row(jnp.int32, engine.MAX_STOP_IDS),
-                   SlotSampling(*(row(s.dtype, *s.shape[1:]) for s in sampling_shapes(rows))))
+                   SlotSampling(*(row(s.dtype, *s.shape[1:]) for s in params_shapes)))
     return {
         "serve prefill": (jax.jit(functools.partial(engine.prefill_chunk_program, graphdef),
                                   donate_argnums=3),
