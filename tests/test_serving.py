@@ -1519,6 +1519,17 @@ def test_text_prompt_and_chat(shipped, tokenizer):
                                      extra_body={"ignore_eos": True,
                                                  "include_stop_str_in_output": True})
     assert kept.choices[0].text == " Stun." and kept.usage == r.usage
+    dot = tokenizer.encode(".")
+    assert len(dot) == 1
+    for include, text in ((False, " Stun"), (True, " Stun.")):  # a stop id, kept as vLLM does
+        by_id = client.completions.create(
+            model="k3-small", prompt="The capital of Zapouvia is", max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "stop_token_ids": dot,
+                        "include_stop_str_in_output": include, "return_token_ids": True})
+        choice = by_id.choices[0].model_dump()
+        assert choice["text"] == text and choice["finish_reason"] == "stop", include
+        assert (choice["token_ids"][-1] == dot[0]) == include
+        assert by_id.usage.completion_tokens == len(choice["token_ids"]) + (not include)
     chat = client.chat.completions.create(
         model="k3-small", messages=[{"role": "user", "content": "The capital of Zapouvia is"}],
         max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
@@ -1865,13 +1876,13 @@ def _body(prompts, item, model):
             "return_token_ids": True, "logprobs": 2, "return_tokens_as_token_ids": True}
     if item["sampled"]:
         body.update(temperature=0.8, top_p=0.95, top_k=50, seed=item["seed"])
+    else:
+        body["temperature"] = 0
     if item.get("biased"):  # none may reach the greedy requests beside it
         body.update(logit_bias={str(3 + (item["seed"] * 7 + 31 * j) % 500): 4.0
                                 for j in range(4)}, min_tokens=min(4, item["max_tokens"]),
                     min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3,
                     repetition_penalty=1.2)
-    else:
-        body["temperature"] = 0
     if item["leave_after"]:
         body["ignore_eos"] = True
     return body

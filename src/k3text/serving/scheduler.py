@@ -102,7 +102,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; N: the chosen token's and the top N
     ignore_eos: bool = False  # generate through eos (benchmarks)
     min_tokens: int = 0  # no stop id or stop string ends the output before this many tokens
-    include_stop_str: bool = False  # the text ends after the stop string found, not before
+    include_stop_str: bool = False  # the stop string or stop id found stays in the output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
 
@@ -781,7 +781,9 @@ class Scheduler:
             self.metrics.ttft.observe(now - r.arrival)
         stops = set(r.stop_ids.tolist()) - {-1}
         hit_stop_id = device_done and ids[-1] in stops
-        keep = len(ids) - hit_stop_id
+        # The stop id is left out of the output, unless the stop is to stay in it.
+        dropped = hit_stop_id and not r.params.include_stop_str
+        keep = len(ids) - dropped
         n_top = r.params.logprobs or 0
         top = None
         if r.params.logprobs is not None:
@@ -789,7 +791,7 @@ class Scheduler:
                             strict=True)) for i in range(keep)]
         text = r.text.add(ids[:keep], final=device_done)
         keep = r.text.kept  # fewer when a stop string ended the text early
-        generated = keep + (hit_stop_id and not r.text.stopped)  # a stop id counts as usage
+        generated = keep + (dropped and not r.text.stopped)  # a stop id counts as usage
         r.generated += generated
         self.metrics.generation_tokens.inc(generated)  # what usage counts, not what was cut
         self._send(r, Delta(ids[:keep], lps[:keep], top[:keep] if top is not None else None,
