@@ -145,7 +145,13 @@ def test_penalties_match_a_float64_reference():
     """Repetition over prompt and output tokens (divided where positive, multiplied where
     negative), then frequency x count and presence once per output token; a row asking for
     none is untouched."""
-    from k3text.inference.sampling import SamplingRow, _adjusted, host_sampling
+    from k3text.inference.sampling import (
+        History,
+        SamplingRow,
+        _adjusted,
+        host_sampling,
+        prompt_tokens,
+    )
 
     rng = np.random.default_rng(0)
     vocab = 37  # not a multiple of 8: the prompt's bits end mid-byte
@@ -156,8 +162,9 @@ def test_penalties_match_a_float64_reference():
                         repetition_penalty=1.5, prompt=prompts[0]),
             SamplingRow(1.0, 0, 1.0, 0, repetition_penalty=0.6, prompt=prompts[1]),
             SamplingRow(1.0, 0, 1.0, 0, prompt=prompts[2])]
-    got = _adjusted(jnp.asarray(logits, jnp.float32), host_sampling(rows, vocab),
-                    jnp.zeros(3, jnp.int32), None, jnp.asarray(counts, jnp.int32))
+    params = host_sampling(rows, vocab)
+    got = _adjusted(jnp.asarray(logits, jnp.float32), params, jnp.zeros(3, jnp.int32), None,
+                    History(jnp.asarray(counts, jnp.int32), prompt_tokens(params, vocab)))
     want = logits.copy()
     for i, r in enumerate(rows):
         seen = np.isin(np.arange(vocab), r.prompt) | (counts[i] > 0)

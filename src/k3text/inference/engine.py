@@ -697,7 +697,8 @@ def insert_program(pool: Pool, prefix: Prefix, slots: jax.Array, limit: jax.Arra
     rows, vocab = prefix.logits.shape[0], pool.slots.counts.shape[1]
     nothing_yet = jnp.zeros((rows, vocab), jnp.int32)
     first, lp, top_ids, top_lps = sampling.sample_slots(
-        prefix.logits, params, jnp.zeros(rows, jnp.int32), top_n, stop_ids, nothing_yet)
+        prefix.logits, params, jnp.zeros(rows, jnp.int32), top_n, stop_ids,
+        sampling.History(nothing_yet, sampling.prompt_tokens(params, vocab)))
     active = ~(_is_stop(first, stop_ids) | (limit <= 1))
     # Padding rows carry slot -1: moved past the end, their writes are dropped.
     at = jnp.where(slots < 0, pool.slots.tokens.shape[0], slots)
@@ -739,9 +740,11 @@ def _decode_loop(cfg: Config, model: Decoder, pool: Pool, max_steps: int,
         step, active = carry[0], carry[2]
         return (step < max_steps) & jnp.any(active)
 
+    in_prompt = sampling.prompt_tokens(slots.sampling, slots.counts.shape[1])  # once a call
+
     def body(carry):
         tokens, state = carry[1], carry[-1]
-        return _advance(cfg, slots, top_n, carry, *model.decode(tokens, state))
+        return _advance(cfg, slots, in_prompt, top_n, carry, *model.decode(tokens, state))
 
     # Unrolled layers carry each layer's state as its own array. A pool already in that form
     # (`pool_shapes`) is updated in place; a stacked one is split here and stacked back.
@@ -772,7 +775,8 @@ def decode_and_prefill_program(cfg: Config, graphdef: Any, params: Any, pool: Po
     s = pool.slots
     logits, state, chunk_logits, prefix_state = model.decode_and_prefill(
         s.tokens, pool.state, tokens, valid, prefix.state, start)
-    carry = _advance(cfg, s, top_n, _first_carry(cfg, s, pool.state, 1, top_n), logits, state)
+    carry = _advance(cfg, s, sampling.prompt_tokens(s.sampling, s.counts.shape[1]), top_n,
+                     _first_carry(cfg, s, pool.state, 1, top_n), logits, state)
     steps, last, active, produced, out, lps, top_ids, top_lps, counts, state = carry
     pool = Pool(state, s._replace(tokens=last, active=active, produced=produced, counts=counts))
     ends_here = jnp.any(valid, axis=1)
@@ -797,16 +801,18 @@ def _first_carry(cfg: Config, slots: Slots, state: DecodeState, max_steps: int,
             jnp.zeros((n, max_steps, top_n), jnp.float32), slots.counts, state)
 
 
-def _advance(cfg: Config, slots: Slots, top_n: int, carry: tuple, logits: jax.Array,
-             new_state: DecodeState) -> tuple:
+def _advance(cfg: Config, slots: Slots, in_prompt: jax.Array, top_n: int, carry: tuple,
+             logits: jax.Array, new_state: DecodeState) -> tuple:
     """The carry after one decode step that gave `logits` and `new_state`: each active slot's
-    token sampled with its own parameters and recorded, stops and limits applied."""
+    token sampled with its own parameters (`in_prompt`: its prompt's tokens, unpacked once
+    per call) and recorded, stops and limits applied."""
     step, tokens, active, produced, out, lps, top_ids, top_lps, counts, state = carry
     # Free slots run too (fixed shapes) but their length stays put, so their cache writes stay
     # in range; `insert` overwrites everything a free slot holds.
     state = new_state._replace(lengths=jnp.where(active, new_state.lengths, state.lengths))
-    sampled, lp, t_ids, t_lps = sampling.sample_slots(logits, slots.sampling, produced, top_n,
-                                                      slots.stop_ids, counts)
+    sampled, lp, t_ids, t_lps = sampling.sample_slots(
+        logits, slots.sampling, produced, top_n, slots.stop_ids,
+        sampling.History(counts, in_prompt))
     out = out.at[:, step].set(jnp.where(active, sampled, cfg.pad_token_id))
     lps = lps.at[:, step].set(jnp.where(active, lp, 0.0))
     top_ids = top_ids.at[:, step].set(t_ids)

@@ -68,6 +68,19 @@ def sampling_shapes(rows: int, vocab: int) -> SlotSampling:
                         shape(jnp.float32), shape(jnp.uint8, -(-vocab // 8)))
 
 
+class History(NamedTuple):
+    """What the penalties read, for B rows."""
+
+    counts: jax.Array  # [B, vocab] int32: each token's count in the output so far
+    in_prompt: jax.Array  # [B, vocab] bool: the prompt's tokens (`prompt_tokens`)
+
+
+def prompt_tokens(params: SlotSampling, vocab: int) -> jax.Array:
+    """[B, vocab] bool: the rows' prompt tokens, unpacked from `prompt_bits`. They do not change
+    while a row decodes: a decode loop unpacks them once, before its first step."""
+    return jnp.unpackbits(params.prompt_bits, axis=-1, count=vocab, bitorder="little") > 0
+
+
 class SamplingRow(NamedTuple):
     """One row's sampling parameters, as the host gives them."""
 
@@ -94,11 +107,10 @@ def host_sampling(rows: list[tuple], vocab: int) -> SlotSampling:
     """`SlotSampling` host arrays from a `SamplingRow` (or a tuple of its fields) per row."""
     rows = [SamplingRow(*r) for r in rows]
     seen = np.zeros((len(rows), vocab), bool)
-    for i, r in enumerate(rows):
-        seen[i, list(r.prompt)] = True
     bias_ids = np.full((len(rows), MAX_LOGIT_BIAS), -1, np.int32)
     bias = np.zeros((len(rows), MAX_LOGIT_BIAS), np.float32)
     for i, r in enumerate(rows):
+        seen[i, list(r.prompt)] = True
         if len(r.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias holds {len(r.logit_bias)} entries, more than "
                              f"{MAX_LOGIT_BIAS}")
@@ -165,10 +177,10 @@ def _draw(logits: jax.Array, params: SlotSampling, index: jax.Array) -> jax.Arra
 
 
 def _adjusted(logits: jax.Array, params: SlotSampling, index: jax.Array,
-              stop_ids: jax.Array | None, counts: jax.Array | None) -> jax.Array:
+              stop_ids: jax.Array | None, history: History | None) -> jax.Array:
     """`logits` with each row's `logit_bias` added; while a row's token number `index` is
-    below its `min_tokens`, its `stop_ids` (-1: unused) at -inf; then, given the rows' output
-    token `counts` [B, vocab], the penalties. Always run: a branch on whether any row asks
+    below its `min_tokens`, its `stop_ids` (-1: unused) at -inf; then, given the rows'
+    `history`, the penalties. Always run: a branch on whether any row asks
     would cost a reduction over the batch (a collective where the batch is split), and the
     work is a few hundred scattered entries and a few elementwise passes per row."""
     vocab = logits.shape[-1]
@@ -179,10 +191,10 @@ def _adjusted(logits: jax.Array, params: SlotSampling, index: jax.Array,
         early = index < params.min_tokens
         ban = jax.vmap(lambda row, ids: row.at[ids].set(-jnp.inf, mode="drop"))
         logits = ban(logits, jnp.where((stop_ids < 0) | ~early[:, None], vocab, stop_ids))
-    if counts is None:
+    if history is None:
         return logits
-    in_prompt = jnp.unpackbits(params.prompt_bits, axis=-1, count=vocab, bitorder="little")
-    seen = (in_prompt > 0) | (counts > 0)
+    counts = history.counts
+    seen = history.in_prompt | (counts > 0)
     repetition = jnp.where(seen, params.repetition_penalty[:, None], 1.0)
     logits = jnp.where(logits > 0, logits / repetition, logits * repetition)
     return (logits - params.frequency_penalty[:, None] * counts
@@ -190,11 +202,11 @@ def _adjusted(logits: jax.Array, params: SlotSampling, index: jax.Array,
 
 
 def sample_slots(logits: jax.Array, params: SlotSampling, index: jax.Array, top_n: int = 0,
-                 stop_ids: jax.Array | None = None, counts: jax.Array | None = None,
+                 stop_ids: jax.Array | None = None, history: History | None = None,
                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Sample one token per row of logits [B, vocab]; `index` [B] is each row's token number,
-    `stop_ids` [B, n] its stop ids (what `min_tokens` bans; None: nothing banned), `counts`
-    [B, vocab] int32 how often each token came in its output so far (None: no penalties).
+    `stop_ids` [B, n] its stop ids (what `min_tokens` bans; None: nothing banned), `history`
+    its output and prompt tokens (what the penalties read; None: no penalties).
 
     Returns (tokens [B] int32, their log-probabilities [B], top-N token ids [B, top_n] int32,
     top-N log-probabilities [B, top_n]). Batches with no sampled row skip the sort."""
@@ -202,7 +214,7 @@ def sample_slots(logits: jax.Array, params: SlotSampling, index: jax.Array, top_
     # of logits, never of the head's weight): the sort, argmax, softmax and top-N below then
     # run locally instead of as a collective per reduction.
     logits = sharding.gather_features([logits.astype(jnp.float32)], ["vocab"])[0]
-    shaped = _adjusted(logits, params, index, stop_ids, counts)
+    shaped = _adjusted(logits, params, index, stop_ids, history)
     greedy = jnp.argmax(shaped, axis=-1).astype(jnp.int32)
     # Below this a temperature only overflows the scaled logits: greedy, as vLLM treats it.
     sampled = params.temperature >= 1e-5
