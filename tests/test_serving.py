@@ -1646,6 +1646,7 @@ def test_n_choices_are_the_request_sent_alone_with_seeds_counted_up(shipped):
     assert r.status_code == 200, r.text
     whole = r.json()
     assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert len({tuple(c["token_ids"]) for c in whole["choices"]}) > 1  # seeds of their own
     for i, choice in enumerate(whole["choices"]):
         alone = post("/v1/completions", {**body, "seed": 11 + i}).json()["choices"][0]
         assert {**choice, "index": 0} == alone, i
