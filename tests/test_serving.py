@@ -1146,17 +1146,46 @@ def test_an_empty_text_prompt_is_refused_before_bos_fills_it(protocol):
         assert e.value.param == "prompt"
 
 
-def test_a_batch_of_one_prompt_is_that_prompt(protocol):
+def test_a_batch_of_prompts_is_read_prompt_by_prompt(protocol):
+    """A completions batch is each prompt read as if sent alone (its own default max_tokens:
+    the room its length leaves); an error names the prompt of the batch at fault."""
     from k3text.serving.protocol import RequestError
 
     text = "The capital of Zapouvia is"
-    assert _completion(protocol, prompt=[text]).prompt_ids == \
-        _completion(protocol, prompt=text).prompt_ids
-    assert _completion(protocol, prompt=[[3, 4, 5]]).prompt_ids == [3, 4, 5]
-    for batch in (["a", "b"], [[3], [4]]):
-        with pytest.raises(RequestError, match="batched") as e:
-            _completion(protocol, prompt=batch)
-        assert e.value.param == "prompt"
+    assert _completion(protocol, prompt=[text]).prompts == [
+        _completion(protocol, prompt=text).prompt_ids]
+    assert _completion(protocol, prompt=[[3, 4, 5]]).prompts == [[3, 4, 5]]
+    batch = _completion(protocol, prompt=[text, [3, 4, 5], "8 plus 2 is"], n=2, seed=5,
+                        max_tokens=None)
+    alone = [_completion(protocol, prompt=p, seed=5, max_tokens=None)
+             for p in (text, [3, 4, 5], "8 plus 2 is")]
+    assert batch.prompts == [a.prompt_ids for a in alone]
+    assert batch.prompt_params == [a.params for a in alone]
+    length = protocol.cfg.max_target_length
+    long = [3] * (protocol.cfg.max_prefill_predict_length - 1)
+    assert [p.max_tokens for p in _completion(protocol, prompt=[[3], long],
+                                              max_tokens=None).prompt_params] == \
+        [min(protocol.cfg.serve_default_max_tokens, length - 1),
+         min(protocol.cfg.serve_default_max_tokens, length - len(long))]
+    assert [(i, s.seed) for i, _, s in batch.choices()] == [(0, 5), (0, 6), (1, 5), (1, 6),
+                                                            (2, 5), (2, 6)]
+    for bad, param, where in (([text, ""], "prompt", "prompt 1 of the batch"),
+                              ([[3], [3, 10**6]], "prompt", "prompt 1 of the batch"),
+                              ([[3], 7], "prompt", None),
+                              ([[3] * 80, [3]], "prompt", "prompt 0 of the batch")):
+        with pytest.raises(RequestError) as e:
+            _completion(protocol, prompt=bad)
+        assert e.value.param == param and (where is None or where in e.value.message), bad
+    with pytest.raises(RequestError, match="prompt 1 of the batch") as e:
+        _completion(protocol, prompt=[[3], long], max_tokens=length - len(long) + 1)
+    assert e.value.param == "max_tokens"
+    queue = protocol.cfg.max_queued_requests
+    with pytest.raises(RequestError, match="prompts x n") as e:
+        _completion(protocol, prompt=[[3]] * queue, n=2)
+    assert e.value.param == "prompt"
+    with pytest.raises(RequestError, match="one prompt") as e:
+        protocol.tokenize({"prompt": ["a", "b"]})
+    assert e.value.param == "prompt"
 
 
 def test_token_limits_and_stop_ids_read_as_openai_means_them(protocol):
@@ -1208,11 +1237,11 @@ def test_each_of_n_choices_is_seeded_as_vllm_seeds_it(protocol):
 
     seeded = _completion(protocol, n=3, seed=2**64 - 2, temperature=0.7)
     assert seeded.n == 3
-    assert [protocol.choice_params(seeded, i).seed for i in range(3)] == \
+    assert [params.seed for _, _, params in seeded.choices()] == \
         [2**64 - 2, 2**64 - 1, 2**64]  # the last wraps to 0 where the device reads it
-    assert protocol.choice_params(seeded, 2).temperature == 0.7
+    assert seeded.choices()[2][2].temperature == 0.7
     unseeded = _chat(protocol, [{"role": "user", "content": "x"}], n=2)
-    assert [protocol.choice_params(unseeded, i) for i in range(2)] == [unseeded.params] * 2
+    assert [params for _, _, params in unseeded.choices()] == [unseeded.params] * 2
     for bad in (0, -1, 1.5, True, "2", protocol.cfg.max_queued_requests + 1):
         with pytest.raises(RequestError) as e:
             _completion(protocol, n=bad)
@@ -1471,8 +1500,10 @@ def test_tokenize_and_detokenize(shipped, tokenizer):
         assert r.status_code == 200, r.text
         served = post(endpoint, {"model": "k3-small", **body, "max_tokens": 1,
                                  "return_token_ids": True}).json()
-        assert r.json() == {"count": len(served["prompt_token_ids"]), "max_model_len": length,
-                            "tokens": served["prompt_token_ids"]}
+        # vLLM's placement: per completion choice (a batch's prompts differ), once for chat
+        ran = served["prompt_token_ids"] if "messages" in body else \
+            served["choices"][0]["prompt_token_ids"]
+        assert r.json() == {"count": len(ran), "max_model_len": length, "tokens": ran}
     ids = post("/tokenize", {"prompt": text}).json()["tokens"]  # `model` is optional
     assert ids[1:] == tokenizer.encode(text)
     strs = post("/tokenize", {"prompt": text, "return_token_strs": True}).json()["token_strs"]
@@ -1626,6 +1657,9 @@ def _choices_of_stream(events: list[dict | str], chat: bool) -> dict[int, dict]:
             continue
         for c in e["choices"]:
             got = out.setdefault(c["index"], {"text": "", "token_ids": [], "finish": None})
+            if "prompt_token_ids" in c:  # a completion choice's first chunk only
+                assert "prompt_token_ids" not in got and not got["token_ids"]
+                got["prompt_token_ids"] = c["prompt_token_ids"]
             got["text"] += c["delta"].get("content", "") if chat else c["text"]
             got["token_ids"] += c.get("token_ids") or []
             if c["finish_reason"]:
@@ -1659,7 +1693,7 @@ def test_n_choices_are_the_request_sent_alone_with_seeds_counted_up(shipped):
     assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"]
     streamed = _choices_of_stream(events[:-2], chat=False)
     assert streamed == {i: {"text": c["text"], "token_ids": c["token_ids"],
-                            "finish": c["finish_reason"]}
+                            "prompt_token_ids": prompts[3], "finish": c["finish_reason"]}
                         for i, c in enumerate(whole["choices"])}
 
     # With the prefix cache (and one prompt per prefill group) the choices after the first
@@ -1686,6 +1720,75 @@ def test_n_choices_are_the_request_sent_alone_with_seeds_counted_up(shipped):
                         if c.choices[0].index == i) for i in (0, 1)}
     assert texts == {0: greedy.choices[0].message.content,
                      1: greedy.choices[1].message.content}
+
+
+def test_a_batch_of_prompts_is_each_prompt_sent_alone(shipped):
+    """A completions batch of prompts with `n` choices, as vLLM serves it: prompt i's choice j
+    at index i * n + j, each the prompt sent alone with seed + j (whole and streamed the same,
+    each with its prompt's ids); usage counts each prompt once. A bad prompt of the batch is a
+    400 naming it, and nothing of the batch runs."""
+    server, prompts, _ = shipped
+    post = lambda body: httpx.post(server.url + "/v1/completions", json=body,  # noqa: E731
+                                   timeout=120)
+    batch = [prompts[3], prompts[0], prompts[7]]
+    body = {"model": "k3-small", "max_tokens": 5, "temperature": 1.0, "seed": 3, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True}
+    r = post({**body, "prompt": batch, "n": 2})
+    assert r.status_code == 200, r.text
+    whole = r.json()
+    assert [c["index"] for c in whole["choices"]] == list(range(6))
+    for index, choice in enumerate(whole["choices"]):
+        i, j = divmod(index, 2)
+        assert choice["prompt_token_ids"] == batch[i]
+        alone = post({**body, "prompt": batch[i], "seed": 3 + j}).json()["choices"][0]
+        # A later choice of a prompt restores the blocks the first one cached: its first
+        # token's logits come from another program, equal within float32 rounding.
+        got, want = choice.pop("logprobs"), alone.pop("logprobs")
+        assert {**choice, "index": 0} == alone, index
+        assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"]
+        np.testing.assert_allclose(got["token_logprobs"], want["token_logprobs"], atol=1e-4)
+        for a, b in zip(got["top_logprobs"], want["top_logprobs"], strict=True):
+            assert a.keys() == b.keys()
+            np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-4)
+    tokens = sum(map(len, batch))
+    assert whole["usage"] == {"prompt_tokens": tokens, "completion_tokens": 30,
+                              "total_tokens": tokens + 30}
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={**body, "prompt": batch, "n": 2, "stream": True,
+                            "stream_options": {"include_usage": True}}) as s:
+        events = _sse(list(s.iter_lines()))
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"]
+    assert _choices_of_stream(events[:-2], chat=False) == {
+        i: {"text": c["text"], "token_ids": c["token_ids"],
+            "prompt_token_ids": c["prompt_token_ids"], "finish": c["finish_reason"]}
+        for i, c in enumerate(whole["choices"])}
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=120)
+    texts = ["8 plus 2 is", "The capital of Zapouvia is"]
+    greedy = client.completions.create(model="k3-small", prompt=texts, max_tokens=4,
+                                       temperature=0)
+    assert [c.text for c in greedy.choices] == [
+        client.completions.create(model="k3-small", prompt=t, max_tokens=4,
+                                  temperature=0).choices[0].text for t in texts]
+    # A chat stream has its prompt's ids at the top of each choice's role chunk (vLLM's).
+    messages = [{"role": "user", "content": texts[0]}]
+    ran = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=60)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
+                      json={"model": "k3-small", "messages": messages, "max_tokens": 2, "n": 2,
+                            "return_token_ids": True, "stream": True}) as s:
+        events = _sse(list(s.iter_lines()))
+    assert [(e["choices"][0]["index"], e["prompt_token_ids"]) for e in events[:-1]
+            if "role" in e["choices"][0]["delta"]] == [(0, ran.json()["tokens"]),
+                                                       (1, ran.json()["tokens"])]
+    assert all("prompt_token_ids" not in e for e in events[:-1]
+               if "role" not in e["choices"][0]["delta"])
+
+    before = server.metrics()["k3text_prompt_tokens_total"]
+    r = post({**body, "prompt": [prompts[0], [1, 10**6]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "prompt 1 of the batch" in r.json()["error"]["message"]
+    assert server.metrics()["k3text_prompt_tokens_total"] == before  # none of it admitted
 
 
 def test_every_error_is_an_openai_error_object(shipped):

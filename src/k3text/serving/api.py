@@ -9,11 +9,12 @@ Requests are checked by `Protocol` before they reach the scheduler, on a worker 
 prompt's tokenization never stalls the streams the event loop serves): a bad one gets a 400
 naming its field (404 for a model not served, 413 for a body larger than any prompt the server
 takes) and never touches the pool. A full queue answers 429, a server still starting (or
-stopping) 503. A request for `n` choices runs them as `n` requests of the scheduler (queued
-all together or, without room for all, refused), its response or stream holding each choice
-under its `index`. A client that disconnects has its request cancelled. Anything unexpected fails
-only the request it happened in, with a 500, and is logged. Every error is an OpenAI error
-object, unknown paths and methods included.
+stopping) 503. A request for `n` choices of each of its prompts (completions take a batch of
+prompts) runs every choice as a request of the scheduler (queued all together or, without room
+for all, refused), its response or stream holding each choice under its `index`. A client that
+disconnects has its request cancelled. Anything unexpected fails only the request it happened
+in, with a 500, and is logged. Every error is an OpenAI error object, unknown paths and methods
+included.
 """
 
 from __future__ import annotations
@@ -199,8 +200,8 @@ def create_app(state: ServerState) -> FastAPI:
         def sink(index: int) -> Callable[[Delta | Finished], None]:
             return lambda event: loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
-        jobs = [Job(parsed.prompt_ids, protocol.choice_params(parsed, i), sink(i))
-                for i in range(parsed.n)]
+        jobs = [Job(ids, params, sink(index))
+                for index, (_, ids, params) in enumerate(parsed.choices())]
         try:
             scheduler.submit(*jobs)
         except QueueFull as e:
@@ -259,6 +260,7 @@ def create_app(state: ServerState) -> FastAPI:
                       scheduler: Scheduler) -> AsyncIterator[str]:
         # Per choice: characters streamed, for the completions log-probabilities' text_offset.
         offsets = [0] * len(jobs)
+        started = [False] * len(jobs)  # a choice's first chunk carries its prompt's ids
         finished: list[Finished] = []
         try:
             if parsed.chat:
@@ -269,8 +271,9 @@ def create_app(state: ServerState) -> FastAPI:
                 if isinstance(event, Delta):
                     if event.ids or event.text:
                         yield _sse(protocol.chunk(rid, parsed, event, None, offsets[index],
-                                                  index))
+                                                  index, first=not started[index]))
                         offsets[index] += protocol.text_length(event)
+                        started[index] = True
                     continue
                 if event.reason in ("error", "cancelled"):  # the other choices end with it
                     yield _sse(error_body(event.error or "internal error", "internal_error",
@@ -279,7 +282,8 @@ def create_app(state: ServerState) -> FastAPI:
                                           "unavailable", None, 503))
                     yield "data: [DONE]\n\n"
                     return
-                yield _sse(protocol.chunk(rid, parsed, None, event.reason, index=index))
+                yield _sse(protocol.chunk(rid, parsed, None, event.reason, index=index,
+                                          first=not started[index]))
                 finished.append(event)
                 if len(finished) == len(jobs):
                     if parsed.include_usage:

@@ -2,21 +2,22 @@
 `SamplingParams`, and the response, stream-chunk and error objects.
 
 Every check names its field (`RequestError.param`), so a client sees which value is wrong. What
-the server cannot do (echo, batched prompts, tools, structured output, ...: the
-fields of `UNSUPPORTED`) is refused when it is asked for, never silently ignored. A field that
+the server cannot do (echo, tools, structured output, ...: the fields of `UNSUPPORTED`) is
+refused when it is asked for, never silently ignored. A field that
 nothing here reads at all (a misspelt `max_token`, another server's extension) is accepted, as
 vLLM accepts it, and named in `Parsed.ignored`, which the server logs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from k3text.config import Config
@@ -140,18 +141,42 @@ def _refuse_unsupported(body: dict, fields: dict[str, Callable[[Any], bool]]) ->
 
 @dataclasses.dataclass
 class Parsed:
-    """A checked request."""
+    """A checked request: one prompt, or (completions) a batch of them, each with its sampling
+    (its own `max_tokens` default: the room its length leaves), and `n` choices of each."""
 
-    prompt_ids: list[int]
-    params: SamplingParams
+    prompts: list[list[int]]
+    prompt_params: list[SamplingParams]
     stream: bool
     include_usage: bool
     return_token_ids: bool
     chat: bool
     tokens_as_ids: bool = False  # `return_tokens_as_token_ids`: log-probabilities name ids
-    n: int = 1  # choices: each a request of its own (`choice_params`)
+    n: int = 1  # choices per prompt: each a request of its own (`choices`)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     ignored: tuple[str, ...] = ()  # fields the request gave that nothing here reads (sorted)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The first prompt's ids (a chat request's, or a completion's of one prompt)."""
+        return self.prompts[0]
+
+    @property
+    def params(self) -> SamplingParams:
+        """The first prompt's sampling."""
+        return self.prompt_params[0]
+
+    def choices(self) -> list[tuple[int, list[int], SamplingParams]]:
+        """Every choice as (prompt index, prompt ids, sampling), in the response's `index`
+        order: prompt i's choice j at i * n + j, as vLLM numbers them. Choice j is seeded with
+        the request's seed (when given) plus j, as vLLM seeds the choices of `n`, so each is its
+        prompt sent alone with that seed."""
+        out = []
+        for i, (ids, params) in enumerate(zip(self.prompts, self.prompt_params, strict=True)):
+            for j in range(self.n):
+                seeded = params if params.seed is None or j == 0 else \
+                    dataclasses.replace(params, seed=params.seed + j)
+                out.append((i, ids, seeded))
+        return out
 
 
 # ---- field checks -----------------------------------------------------------------------------
@@ -217,6 +242,18 @@ def _check_ids(ids: list[Any], name: str, vocab: int,
             raise RequestError(f"'{name}' item {i} = {t} is outside the vocabulary "
                                f"[0, {vocab})", name)
     return list(ids)
+
+
+@contextlib.contextmanager
+def _batch_item(index: int, size: int) -> Iterator[None]:
+    """A `RequestError` raised inside names prompt `index` of a batch of `size` prompts."""
+    try:
+        yield
+    except RequestError as e:
+        if size == 1:
+            raise
+        raise RequestError(f"prompt {index} of the batch: {e.message}", e.param, e.status,
+                           e.kind) from None
 
 
 @functools.cache
@@ -440,57 +477,60 @@ class Protocol:
         include_usage = _bool(options, "include_usage", False)
         return include_usage, tuple(f"stream_options.{k}" for k in options.unread())
 
-    def _parsed(self, body: _Read, ids: list[int], params: SamplingParams, stream: bool,
-                chat: bool) -> Parsed:
+    def _parsed(self, body: _Read, prompts: list[list[int]], params: list[SamplingParams],
+                stream: bool, chat: bool) -> Parsed:
         include_usage, unread_options = self._stream_options(body, stream)
         # Each choice waits in the queue as a request of its own, so all must fit it at once.
         n = _int(body, "n", 1, 1)
-        if n > self.cfg.max_queued_requests:
+        queue = self.cfg.max_queued_requests
+        if n * len(prompts) > queue:
             raise RequestError(f"'n' = {n} choices do not fit the queue of "
-                               f"max_queued_requests={self.cfg.max_queued_requests}", "n")
-        return Parsed(ids, params, stream, include_usage,
+                               f"max_queued_requests={queue}" if len(prompts) == 1 else
+                               f"{len(prompts)} prompts x n = {n} choices do not fit the queue "
+                               f"of max_queued_requests={queue}",
+                               "n" if len(prompts) == 1 else "prompt")
+        return Parsed(prompts, params, stream, include_usage,
                       _bool(body, "return_token_ids", False), chat=chat,
                       tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False), n=n,
                       ignored=body.unread() + unread_options)
 
-    @staticmethod
-    def choice_params(parsed: Parsed, index: int) -> SamplingParams:
-        """Choice `index`'s sampling: the request's, its seed (when given) plus `index`, as
-        vLLM seeds the choices of `n`, so each is the request sent alone with that seed."""
-        seed = parsed.params.seed
-        return parsed.params if seed is None or index == 0 else \
-            dataclasses.replace(parsed.params, seed=seed + index)
-
     def completion(self, body: Any) -> Parsed:
         body = self._common(body)
         _refuse_unsupported(body, UNSUPPORTED_COMPLETION)
-        ids = self._check_prompt(self._completion_prompt(body), "prompt")
+        prompts = self._completion_prompts(body)
         logprobs = _int(body, "logprobs", None, 0, self.cfg.serve_max_logprobs)
+        params = []
+        for i, ids in enumerate(prompts):
+            with _batch_item(i, len(prompts)):
+                self._check_prompt(ids, "prompt")
+                params.append(self._sampling(body, len(ids), logprobs, "prompt"))
         stream = _bool(body, "stream", False)
-        return self._parsed(body, ids, self._sampling(body, len(ids), logprobs, "prompt"),
-                            stream, chat=False)
+        return self._parsed(body, prompts, params, stream, chat=False)
 
-    def _completion_prompt(self, body: _Read) -> list[int]:
-        """A completions request's prompt ids (bos first for text when the config adds one)."""
+    def _completion_prompts(self, body: _Read) -> list[list[int]]:
+        """A completions request's prompts' ids (bos first for text when the config adds one):
+        a string, a list of token ids, or a batch (a list) of either."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(p, list | str)
                                                        for p in prompt):
-            if len(prompt) > 1:
-                raise RequestError("batched prompts are not supported; send one request per "
-                                   "prompt", "prompt")
-            prompt = prompt[0]  # a batch of one (LangChain sends every prompt so)
+            batch = []
+            for i, item in enumerate(prompt):
+                with _batch_item(i, len(prompt)):
+                    batch.append(self._one_prompt(item))
+            return batch
+        return [self._one_prompt(prompt)]
+
+    def _one_prompt(self, prompt: Any) -> list[int]:
         if prompt == "":  # refused before bos is put in front of it
             raise RequestError("'prompt' is empty", "prompt")
         if isinstance(prompt, str):
-            ids = self._encode(prompt, "prompt")
-        elif isinstance(prompt, list):
-            ids = _check_ids(prompt, "prompt", self.cfg.vocab_size)
-        elif prompt is None:
+            return self._encode(prompt, "prompt")
+        if isinstance(prompt, list):
+            return _check_ids(prompt, "prompt", self.cfg.vocab_size)
+        if prompt is None:
             raise RequestError("'prompt' is required", "prompt")
-        else:
-            raise RequestError(f"'prompt' must be a string or a list of token ids, got "
-                               f"{_type_name(prompt)}", "prompt")
-        return ids
+        raise RequestError(f"'prompt' must be a string, a list of token ids or a batch (a list) "
+                           f"of either, got {_type_name(prompt)}", "prompt")
 
     def chat(self, body: Any) -> Parsed:
         body = self._common(body)
@@ -501,8 +541,8 @@ class Protocol:
         if top is not None and not want:
             raise RequestError("'top_logprobs' needs logprobs=true", "top_logprobs")
         stream = _bool(body, "stream", False)
-        return self._parsed(body, ids, self._sampling(
-            body, len(ids), (top or 0) if want else None, "messages"), stream, chat=True)
+        return self._parsed(body, [ids], [self._sampling(
+            body, len(ids), (top or 0) if want else None, "messages")], stream, chat=True)
 
     def _chat_prompt(self, body: _Read) -> list[int]:
         """A chat request's `messages`, checked and rendered by the chat template, as ids."""
@@ -544,7 +584,13 @@ class Protocol:
         body = self._body(body, model_required=False)
         chat = "messages" in body
         _refuse_unsupported(body, UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETION)
-        ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
+        if chat:
+            ids = self._chat_prompt(body)
+        else:
+            batch = self._completion_prompts(body)
+            if len(batch) > 1:
+                raise RequestError("'prompt' is a batch; /tokenize takes one prompt", "prompt")
+            ids = batch[0]
         out: dict[str, Any] = {"count": len(ids), "tokens": ids}
         if _bool(body, "return_token_strs", False):
             out["token_strs"] = [self._text(t) for t in ids]
@@ -618,16 +664,19 @@ class Protocol:
                                  for t, lp, top in zip(ids, lps, tops, strict=True)],
                 "text_offset": offsets}
 
-    def usage(self, finished: list[Finished]) -> dict[str, int]:
-        """Usage of a request's choices: the prompt once, every choice's tokens."""
-        prompt = finished[0].prompt_tokens
+    def usage(self, parsed: Parsed, finished: list[Finished]) -> dict[str, int]:
+        """Usage of a request's choices: each prompt once, every choice's tokens."""
+        prompt = sum(len(ids) for ids in parsed.prompts)
         completion = sum(f.completion_tokens for f in finished)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
     def response(self, rid: str, parsed: Parsed, choices: list[tuple[list[Delta], Finished]],
                  ) -> dict[str, Any]:
-        """The whole response; `choices`: each choice's deltas and finish, in index order."""
+        """The whole response; `choices`: each choice's deltas and finish, in index order.
+        With `return_token_ids`, a completion choice holds its prompt's ids
+        (`prompt_token_ids`, as vLLM places them: a batch's prompts differ), a chat response
+        holds them once."""
         return_choices = []
         for index, (deltas, finished) in enumerate(choices):
             text = "".join(d.text for d in deltas)
@@ -638,12 +687,14 @@ class Protocol:
             else:
                 choice["text"] = text
             if parsed.return_token_ids:
+                if not parsed.chat:
+                    choice["prompt_token_ids"] = parsed.prompts[index // parsed.n]
                 choice["token_ids"] = [t for d in deltas for t in d.ids]
             return_choices.append(choice)
         body = {"id": rid, "object": "chat.completion" if parsed.chat else "text_completion",
                 "created": parsed.created, "model": self.model_name, "choices": return_choices,
-                "usage": self.usage([f for _, f in choices])}
-        if parsed.return_token_ids:
+                "usage": self.usage(parsed, [f for _, f in choices])}
+        if parsed.return_token_ids and parsed.chat:
             body["prompt_token_ids"] = parsed.prompt_ids
         return body
 
@@ -657,9 +708,10 @@ class Protocol:
         return body
 
     def chunk(self, rid: str, parsed: Parsed, delta: Delta | None, finish: str | None,
-              offset: int = 0, index: int = 0) -> dict[str, Any]:
+              offset: int = 0, index: int = 0, first: bool = False) -> dict[str, Any]:
         """A stream chunk of choice `index`: `delta`'s tokens (`offset`: the characters that
-        choice streamed before them), or its finish with no tokens."""
+        choice streamed before them), or its finish with no tokens. A completion choice's
+        `first` chunk holds its prompt's ids with `return_token_ids` (vLLM's placement)."""
         choice: dict[str, Any] = {"index": index, "finish_reason": finish,
                                   "logprobs": self._logprobs([delta], parsed, offset)
                                   if delta else None}
@@ -669,16 +721,21 @@ class Protocol:
         else:
             choice["text"] = text
         if parsed.return_token_ids:
+            if first and not parsed.chat:
+                choice["prompt_token_ids"] = parsed.prompts[index // parsed.n]
             choice["token_ids"] = delta.ids if delta else []
         return self._chunk(rid, parsed, [choice])
 
     def role_chunk(self, rid: str, parsed: Parsed, index: int = 0) -> dict[str, Any]:
         """A chat stream's first chunk of choice `index`: the assistant's role, before any
-        token."""
+        token (and with `return_token_ids` the prompt's ids, as vLLM's first chunk has them)."""
         choice = {"index": index, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None}
-        return self._chunk(rid, parsed, [choice])
+        body = self._chunk(rid, parsed, [choice])
+        if parsed.return_token_ids:
+            body["prompt_token_ids"] = parsed.prompt_ids
+        return body
 
     def usage_chunk(self, rid: str, parsed: Parsed, finished: list[Finished]
                     ) -> dict[str, Any]:
-        return self._chunk(rid, parsed, [], self.usage(finished))
+        return self._chunk(rid, parsed, [], self.usage(parsed, finished))
