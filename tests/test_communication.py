@@ -112,6 +112,42 @@ def test_gather_features_is_exact_and_merges_pieces_on_the_same_axes(features):
     assert report.count_by_kind() == {"all-gather": groups}
 
 
+def test_prompt_scores_of_split_logits_are_exact_and_gather_only_each_shards_top():
+    """`sampling.score_next` on logits split over the vocabulary (as the LM head leaves them)
+    equals a float64 reference, and moves only reductions over the vocabulary and each
+    shard's own top N, never the logits."""
+    from k3text.inference import sampling
+
+    cfg = load_config(ROOT / "configs/inference/cpu8-local.yml")
+    ctx = mesh_context(cfg)
+    assert ctx.size("vocab") > 1
+    rng = np.random.default_rng(0)
+    vocab, top = 512, 3
+    logits = rng.normal(size=(2, 6, vocab)).astype(np.float32) * 4
+    targets = rng.integers(0, vocab, (2, 6)).astype(np.int32)
+
+    def program(logits, targets):
+        return sampling.score_next(sharding.constrain_features(logits, "vocab"), targets, top)
+
+    with sharding.use_mesh(ctx.mesh, ctx.rules):
+        got = jax.jit(program)(logits, targets)
+        report = collectives.read(jax.jit(program).lower(logits, targets).compile().as_text())
+    ref = logits.astype(np.float64)
+    ref = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
+    chosen = np.take_along_axis(ref, targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(got.logprobs), chosen, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got.ranks),
+                                  1 + np.sum(ref > chosen[..., None], axis=-1))
+    order = np.argsort(-ref, axis=-1)[..., :top]
+    np.testing.assert_array_equal(np.asarray(got.top_ids), order)
+    np.testing.assert_allclose(np.asarray(got.top_logprobs),
+                               np.take_along_axis(ref, order, -1), atol=1e-5)
+    shards = ctx.size("vocab")
+    gathered = [c for c in report.collectives if c.kind == "all-gather"]
+    assert len(gathered) == 2 and all(c.bytes <= 4 * 2 * 6 * top * shards for c in gathered)
+    assert all(c.bytes <= 4 * 2 * 6 for c in report.collectives if c.kind != "all-gather")
+
+
 @pytest.mark.parametrize("config", CPU8)
 def test_serving_programs_move_only_activations(config):
     """The server's programs at the configured slot count move activations only: `insert`

@@ -51,6 +51,53 @@ def test_prefill_then_decode_matches_full_forward(setup):
                                        err_msg=f"decode step {j}, prompt length {n}")
 
 
+def test_scored_prefill_matches_the_full_forward(setup):
+    """`Engine.prefill_scored` (vLLM's `prompt_logprobs`): each position's log-probability of
+    the token after it, its rank and the top 3 equal the full forward's, in float64, across
+    chunk boundaries in a ragged batch; the prefix it leaves is `prefill_chunk`'s."""
+    cfg, model, engine = setup
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, cfg.vocab_size, n) for n in (130, 20)]
+    chunk = cfg.prefill_chunk_size
+    width = 3 * chunk
+    tokens = np.full((2, width), cfg.pad_token_id, np.int32)
+    valid, targets = np.zeros(tokens.shape, bool), np.zeros(tokens.shape, np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)], valid[i, : len(p)], targets[i, : len(p) - 1] = p, True, p[1:]
+    scored, plain, scores = engine.new_prefix(2), engine.new_prefix(2), []
+    for start in range(0, width, chunk):
+        part = slice(start, start + chunk)
+        scored, got = engine.prefill_scored(scored, tokens[:, part], valid[:, part], start,
+                                            targets[:, part], 3)
+        plain = engine.prefill_chunk(plain, tokens[:, part], valid[:, part], start)
+        scores.append(got)
+    logprobs, ranks, top_ids, top_lps = (np.concatenate(a, axis=1)
+                                         for a in zip(*scores, strict=True))
+    for i, p in enumerate(prompts):
+        n = len(p) - 1
+        full = np.asarray(nnx.jit(lambda m, t: m.forward(t))(model, jnp.asarray(p[None])))[0]
+        full = full.astype(np.float64)[:n]
+        ref = full - np.logaddexp.reduce(full, axis=-1, keepdims=True)
+        chosen = ref[np.arange(n), p[1:]]
+        np.testing.assert_allclose(logprobs[i, :n], chosen, atol=1e-4, err_msg=f"prompt {i}")
+        # Ranks and top ids wherever no other logit lies within rounding of the one compared.
+        gap = np.min(np.abs(ref - chosen[:, None]) + (np.arange(ref.shape[1]) == p[1:, None]),
+                     axis=1)
+        clear = gap > 1e-3
+        assert clear.mean() > 0.5  # the check has teeth
+        np.testing.assert_array_equal(ranks[i, :n][clear],
+                                      1 + np.sum(ref > chosen[:, None], axis=1)[clear])
+        order = np.argsort(-ref, axis=1)[:, :4]
+        np.testing.assert_allclose(top_lps[i, :n], np.take_along_axis(ref, order[:, :3], 1),
+                                   atol=1e-4)
+        ordered = np.take_along_axis(ref, order, 1)
+        distinct = np.all(-np.diff(ordered, axis=1) > 1e-3, axis=1)
+        np.testing.assert_array_equal(top_ids[i, :n][distinct], order[distinct, :3])
+    np.testing.assert_allclose(np.asarray(scored.logits), np.asarray(plain.logits), atol=1e-4)
+    for a, b in zip(jax.tree.leaves(scored.state), jax.tree.leaves(plain.state), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
 @pytest.mark.parametrize("length", [5, 16, 20, 70, 100])
 def test_prefill_buckets_match_the_full_forward(setup, length):
     """A prompt's last chunk at a narrower width (16 or 32 tokens) gives the full forward's

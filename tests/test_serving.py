@@ -1071,13 +1071,12 @@ def _chat(protocol, messages, **fields):
 @pytest.mark.parametrize("chat,field,value", [
     (False, "best_of", 3), (False, "suffix", "end"),
     (False, "skip_special_tokens", False),
-    (False, "prompt_logprobs", 1),
     (False, "response_format", {"type": "json_object"}), (False, "guided_regex", "a+"),
     (False, "best_of", True),  # true is not 1
     (True, "tools", [{"type": "function", "function": {"name": "f"}}]),
     (True, "tool_choice", "required"), (True, "response_format", {"type": "json_schema"}),
     (True, "add_generation_prompt", False), (True, "continue_final_message", True),
-    (True, "chat_template", "{{ messages }}"), (False, "echo", True), (True, "echo", True),
+    (True, "chat_template", "{{ messages }}"), (True, "echo", True),
     (False, "add_special_tokens", False), (True, "add_special_tokens", True),
     (True, "reasoning_effort", "low"), (False, "reasoning_effort", "high"),
     (True, "verbosity", "low"), (True, "web_search_options", {}),
@@ -1347,7 +1346,7 @@ def test_logprob_entries_carry_each_tokens_own_bytes_and_offsets(protocol, token
     chunk = protocol.chunk("id", parsed, delta, None, offset=17)
     offsets = chunk["choices"][0]["logprobs"]["text_offset"]
     assert offsets[0] == 17 and offsets == sorted(offsets)
-    assert protocol.text_length(delta) == sum(len(t) for t in
+    assert protocol.text_length(parsed, delta) == sum(len(t) for t in
                                               chunk["choices"][0]["logprobs"]["tokens"])
 
 
@@ -1791,6 +1790,101 @@ def test_a_batch_of_prompts_is_each_prompt_sent_alone(shipped):
     assert server.metrics()["k3text_prompt_tokens_total"] == before  # none of it admitted
 
 
+def _same_choice(got: dict, want: dict, where: str = "") -> None:
+    """Two completions choices equal but for their log-probabilities, which agree within
+    float32 rounding (the same tokens through another program)."""
+    got, want = dict(got), dict(want)
+    a, b = got.pop("logprobs"), want.pop("logprobs")
+    assert got == want, where
+    assert (a is None) == (b is None), where
+    if a is None:
+        return
+    assert a["tokens"] == b["tokens"] and a["text_offset"] == b["text_offset"], where
+    assert [x is None for x in a["token_logprobs"]] == [x is None for x in b["token_logprobs"]]
+    np.testing.assert_allclose([x for x in a["token_logprobs"] if x is not None],
+                               [x for x in b["token_logprobs"] if x is not None], atol=1e-4)
+    for x, y in zip(a["top_logprobs"], b["top_logprobs"], strict=True):
+        assert (x is None) == (y is None) and (x is None or x.keys() == y.keys()), where
+        if x is not None:
+            np.testing.assert_allclose(list(x.values()), list(y.values()), atol=1e-4)
+
+
+def test_prompt_logprobs_and_echo_score_the_prompt(shipped):
+    """vLLM's `prompt_logprobs` and OpenAI's `echo`: each prompt token's log-probability and
+    its place's top 2 equal what the plain prefill of the prompt cut before it reports for
+    that token (drawn there by a logit bias, which leaves log-probabilities raw), across chunk
+    boundaries; the output is the request's without them; echo puts the prompt's text and
+    log-probabilities first (alone with max_tokens 0), whole and streamed alike. Scored
+    prompts pass the prefix cache by."""
+    server, prompts, _ = shipped
+    post = lambda body, path="/v1/completions": httpx.post(  # noqa: E731
+        server.url + path, json=body, timeout=120)
+    prompt = np.random.default_rng(5).integers(3, 500, 40).tolist()
+    body = {"model": "k3-small", "prompt": prompt, "max_tokens": 3, "temperature": 0,
+            "logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    plain = post(body).json()["choices"][0]
+    queried = server.metrics()["k3text_prefix_cache_queried_tokens_total"]
+    r = post({**body, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    assert server.metrics()["k3text_prefix_cache_queried_tokens_total"] == queried
+    scored = r.json()["choices"][0]
+    scores = scored.pop("prompt_logprobs")
+    _same_choice(scored, plain)
+    assert scores[0] is None and len(scores) == len(prompt)
+    for p in (1, 2, 15, 16, 17, 31, 39):  # 16-token chunks
+        cut = post({**body, "prompt": prompt[:p], "max_tokens": 1,
+                    "logit_bias": {str(prompt[p]): 100}}).json()["choices"][0]
+        assert cut["token_ids"] == [prompt[p]], p
+        entry = scores[p]
+        assert entry[str(prompt[p])]["rank"] >= 1
+        np.testing.assert_allclose(entry[str(prompt[p])]["logprob"],
+                                   cut["logprobs"]["token_logprobs"][0], atol=1e-4)
+        top = {f"token_id:{t}": v["logprob"] for t, v in entry.items()
+               if v["rank"] <= 2 or int(t) == prompt[p]}
+        assert top.keys() == cut["logprobs"]["top_logprobs"][0].keys(), p
+        np.testing.assert_allclose([top[k] for k in sorted(top)],
+                                   [cut["logprobs"]["top_logprobs"][0][k] for k in sorted(top)],
+                                   atol=1e-4)
+        assert {1, 2} <= {v["rank"] for v in entry.values()}
+
+    text = httpx.post(server.url + "/detokenize", json={"tokens": prompt}, timeout=60).json()
+    alone = post({**body, "echo": True, "max_tokens": 0}).json()
+    echo = alone["choices"][0]
+    assert echo["text"] == text["prompt"] and echo["finish_reason"] == "length"
+    assert echo["token_ids"] == [] and alone["usage"]["completion_tokens"] == 0
+    assert echo["logprobs"]["tokens"] == [f"token_id:{t}" for t in prompt]
+    assert echo["logprobs"]["token_logprobs"][0] is None
+    assert echo["logprobs"]["top_logprobs"][0] is None
+    np.testing.assert_allclose(echo["logprobs"]["token_logprobs"][1:],
+                               [scores[q][str(t)]["logprob"] for q, t in enumerate(prompt)
+                                if q], atol=1e-4)
+    whole = post({**body, "echo": True}).json()["choices"][0]
+    assert whole["text"] == text["prompt"] + plain["text"]
+    assert whole["token_ids"] == plain["token_ids"]
+    assert whole["logprobs"]["tokens"] == echo["logprobs"]["tokens"] + \
+        plain["logprobs"]["tokens"]
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={**body, "echo": True, "stream": True}) as s:
+        events = _sse(list(s.iter_lines()))
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert chunks[0]["text"].startswith(text["prompt"])
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    streamed = [c["logprobs"] for c in chunks if c["logprobs"]]
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert sum((lp[key] for lp in streamed), []) == whole["logprobs"][key], key
+    words = post({"model": "k3-small", "prompt": "8 plus 2 is", "echo": True,
+                  "max_tokens": 0}).json()["choices"][0]
+    assert words["text"] == "8 plus 2 is" and words["logprobs"] is None
+
+    messages = [{"role": "user", "content": "8 plus 2 is"}]
+    ran = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=60).json()
+    chat = post({"model": "k3-small", "messages": messages, "max_tokens": 2,
+                 "prompt_logprobs": 0}, "/v1/chat/completions").json()
+    assert len(chat["prompt_logprobs"]) == ran["count"] and chat["prompt_logprobs"][0] is None
+    assert all(list(e) == [str(t)] for e, t in zip(chat["prompt_logprobs"][1:],
+                                                   ran["tokens"][1:], strict=True))
+
+
 def test_every_error_is_an_openai_error_object(shipped):
     server, _, _ = shipped
     url = server.url
@@ -1896,7 +1990,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "logprobs": 6}, "logprobs"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "n": 0}, "n"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "n": 1000}, "n"),
-    ("/v1/completions", {"model": "k3-small", "prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"model": "k3-small", "prompt": "x", "echo": 1}, "echo"),
+    ("/v1/completions", {"model": "k3-small", "prompt": "x", "prompt_logprobs": 6},
+     "prompt_logprobs"),
+    ("/v1/completions", {"model": "k3-small", "prompt": "x", "prompt_logprobs": 1,
+                         "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "stream": "yes"}, "stream"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "stop": 5}, "stop"),
@@ -2200,7 +2298,7 @@ def test_two_processes_serve_like_one(shipped):
     clients leaving, equal the offline decode (greedy) and the same request alone (seeded);
     SIGTERM to both (the follower first, as a job's stop may signal it) stops both after the
     request in flight, each exiting 0."""
-    _, prompts, reference = shipped
+    alone, prompts, reference = shipped
     port = coordinator_port()
     path = str(ROOT / "configs" / "inference" / "cpu8-local.yml")
     distributed = ["jax_distributed_initialize=true", f"coordinator_address=localhost:{port}",
@@ -2211,6 +2309,17 @@ def test_two_processes_serve_like_one(shipped):
     try:
         server = Server(path, *SHIPPED, *CACHED, *distributed, "process_id=0")
         run_load(server, prompts, reference, 16, "k3-small", seed=2)
+        # A scored prompt (its own prefill program, fetched by every process) as served alone.
+        scored = {"model": "k3-small", "prompt": prompts[2], "max_tokens": 2, "temperature": 0,
+                  "prompt_logprobs": 1, "return_token_ids": True}
+        got, want = (httpx.post(s.url + "/v1/completions", json=scored, timeout=120).json()
+                     ["choices"][0] for s in (server, alone))
+        assert got["token_ids"] == want["token_ids"]
+        assert [e and list(e) for e in got["prompt_logprobs"]] == \
+            [e and list(e) for e in want["prompt_logprobs"]]
+        np.testing.assert_allclose(
+            [v["logprob"] for e in got["prompt_logprobs"][1:] for v in e.values()],
+            [v["logprob"] for e in want["prompt_logprobs"][1:] for v in e.values()], atol=1e-4)
         assert server.metrics()["k3text_prefix_cache_hit_tokens_total"] >= 16
         assert not [line for line in server.lines + follower.lines if "Traceback" in line]
 

@@ -228,6 +228,30 @@ def gather_features(pieces: Sequence[jax.Array], features: Sequence[str]) -> lis
                               out_specs=replicated, check_vma=False)(*pieces))
 
 
+def top_k_features(x: jax.Array, k: int, features: str) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the last axis of x [batch, ..., F], split over its last axis by the
+    logical name `features` (as the vocab-split LM head leaves its logits): each shard's own top
+    k first, then the best k of those, so k values per shard travel instead of the whole axis.
+    Returns (values, indices into the whole axis), whole on every device."""
+    ctx = active()
+    if ctx is None or ctx.mesh.size == 1 or not _PINNING[-1] or not ctx.axes(features):
+        return jax.lax.top_k(x, k)
+    axes = ctx.axes(features)
+
+    def body(local: jax.Array) -> tuple[jax.Array, jax.Array]:
+        values, index = jax.lax.top_k(local, k)
+        index = index + ctx.axis_index(features) * local.shape[-1]
+        values = jax.lax.all_gather(values, axes, axis=x.ndim - 1, tiled=True)
+        index = jax.lax.all_gather(index, axes, axis=x.ndim - 1, tiled=True)
+        best, pick = jax.lax.top_k(values, k)
+        return best, jnp.take_along_axis(index, pick, axis=-1)
+
+    whole = ctx.spec(("batch",) + (None,) * (x.ndim - 1))
+    return jax.shard_map(body, mesh=ctx.shard_map_mesh(),
+                         in_specs=(ctx.spec(("batch",) + (None,) * (x.ndim - 2) + (features,)),),
+                         out_specs=(whole, whole), check_vma=False)(x)
+
+
 @contextlib.contextmanager
 def unpinned_activations() -> Iterator[None]:
     """Leave activation layouts to the partitioner (`constrain_features` and `gather_features`

@@ -176,6 +176,8 @@ class Engine:
                                       donate_argnames=("prefix",))
         self._prefill_slices = jax.jit(bound(prefill_chunk_program, self.layout, slices=True),
                                        donate_argnames=("prefix",))
+        self._prefill_scored = jax.jit(bound(scored_prefill_chunk_program, self.layout),
+                                       static_argnames=("top_n",), donate_argnames=("prefix",))
         self._insert = jax.jit(insert_program, static_argnames=("top_n",),
                                donate_argnames=("pool",))
         self._generate = jax.jit(bound(generate_program, cfg, self.layout),
@@ -294,6 +296,23 @@ class Engine:
             return self._prefill_chunk(self._weights, self._global(tokens, ("batch", None)),
                                        self._global(valid, ("batch", None)), prefix,
                                        jnp.int32(start))
+
+    def prefill_scored(self, prefix: Prefix, tokens: np.ndarray, valid: np.ndarray,
+                       start: int, targets: np.ndarray, top_n: int,
+                       ) -> tuple[Prefix, sampling.PromptScores]:
+        """`prefill_chunk` (at the whole chunk width) with every position's distribution
+        scored against the token that follows it, `targets` [P, width] (the prompt's next
+        tokens; any id where there is none): the next token's log-probability and rank, and the
+        `top_n` likeliest, as host arrays [P, width] (vLLM's `prompt_logprobs`). Every position
+        goes through the LM head, so only the requests that ask for this pay for it."""
+        self._note_shape("scored prefill chunk", "{} x {} tokens, top {}".format(
+            *tokens.shape, top_n))
+        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
+            prefix, scores = self._prefill_scored(
+                self._weights, self._global(tokens, ("batch", None)),
+                self._global(valid, ("batch", None)), prefix, jnp.int32(start),
+                self._global(targets.astype(np.int32), ("batch", None)), top_n=top_n)
+        return prefix, sampling.PromptScores(*_to_host(tuple(scores)))
 
     def prefill_slices(self, prefix: Prefix, tokens: np.ndarray, valid: np.ndarray,
                        start: int) -> Prefix:
@@ -515,7 +534,8 @@ class Engine:
         one chunk of padding at each of `widths` (default: every bucket and the whole chunk;
         `prefill_widths` says which a set of prompts runs), inserted as padding rows, and a
         decode call with no active slot, which stops before its first step; for a server also
-        the decode call with each chunk width riding along (`serve_steps_per_call` steps).
+        the decode call with each chunk width riding along (`serve_steps_per_call` steps) and
+        the scored chunk of `prefill_scored`.
         Running them, not only compiling, also pays each program's one-time cost of its first
         execution, which would otherwise land in the first real call. With a `prefill_engine`
         (`serve_prefill_apart`) the prefill programs compile there and no chunk rides a decode
@@ -531,6 +551,11 @@ class Engine:
         for width in widths:
             chunk = np.full((prefill_batch, width), cfg.pad_token_id, np.int32)
             prefix = prefiller.prefill_chunk(prefix, chunk, np.zeros(chunk.shape, bool), 0)
+        if serving:  # the whole-chunk call of a request for `prompt_logprobs`
+            chunk = np.full((prefill_batch, cfg.prefill_chunk_size), cfg.pad_token_id, np.int32)
+            prefiller.prefill_scored(prefiller.new_prefix(prefill_batch), chunk,
+                                     np.zeros(chunk.shape, bool), 0, np.zeros_like(chunk),
+                                     top_n)
         prefixes = [prefix]
         rows = cfg.prefill_context_parallelism
         if rows > 1:  # the context-parallel call long prompts take, and its insert
@@ -665,6 +690,20 @@ def prefill_chunk_program(graphdef: Any, params: Any, tokens: jax.Array, valid: 
     if slices:
         ends_here = jnp.broadcast_to(jnp.any(ends_here), ends_here.shape)
     return Prefix(jnp.where(ends_here[:, None], logits, prefix.logits), state)
+
+
+def scored_prefill_chunk_program(graphdef: Any, params: Any, tokens: jax.Array,
+                                 valid: jax.Array, prefix: Prefix, start: jax.Array,
+                                 targets: jax.Array, top_n: int,
+                                 ) -> tuple[Prefix, sampling.PromptScores]:
+    """`prefill_chunk_program` with the LM head over every position, each scored against
+    `targets` (`sampling.score_next`)."""
+    logits, state = _merge(graphdef, params).prefill(tokens, valid, prefix.state, start,
+                                                      every_position=True)
+    count = jnp.sum(valid, axis=1)
+    last = logits[jnp.arange(tokens.shape[0]), jnp.maximum(count - 1, 0)]
+    return (Prefix(jnp.where((count > 0)[:, None], last, prefix.logits), state),
+            sampling.score_next(logits, targets, top_n))
 
 
 def check_prompts(cfg: Config, prompts: Sequence[Sequence[int]], steps: int,

@@ -232,6 +232,33 @@ def sample_slots(logits: jax.Array, params: SlotSampling, index: jax.Array, top_
     return tokens, chosen, top_ids.astype(jnp.int32), top_lps
 
 
+class PromptScores(NamedTuple):
+    """Each position's distribution over the next token, scored against the token that
+    follows it (vLLM's `prompt_logprobs`): leading axes [P, C]."""
+
+    logprobs: jax.Array  # float32: log-probability of the next token
+    ranks: jax.Array  # int32: its rank, 1 for the likeliest
+    top_ids: jax.Array  # [..., top_n] int32
+    top_logprobs: jax.Array  # [..., top_n]
+
+
+def score_next(logits: jax.Array, targets: jax.Array, top_n: int) -> PromptScores:
+    """Logits [P, C, vocab] scored against the tokens that follow each position, `targets`
+    [P, C]: the log-probabilities of the raw model, as `sample_slots` reports a drawn token's.
+
+    Unlike a decode step's [slots, vocab], a chunk's logits are too large to gather whole on
+    every device (4,096 positions of K3's vocabulary: 2.7 GB), so they stay split as the LM
+    head leaves them: the normaliser, the target's value and its rank are reductions over the
+    vocabulary ([P, C] per device crosses), and the top N comes from each shard's own."""
+    logits = sharding.constrain_features(logits.astype(jnp.float32), "vocab")
+    logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    vocab = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    chosen = jnp.sum(jnp.where(vocab == targets[..., None], logp, 0.0), axis=-1)
+    ranks = 1 + jnp.sum(logp > chosen[..., None], axis=-1, dtype=jnp.int32)
+    top_lps, top_ids = sharding.top_k_features(logp, top_n, "vocab")
+    return PromptScores(chosen, ranks, top_ids.astype(jnp.int32), top_lps)
+
+
 def sample(cfg: Config, logits: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(tokens [B] int32, log-probabilities [B]) with the offline `decode_sampling_*` keys; the
     key's bits seed the rows (row i: that seed + i)."""

@@ -216,11 +216,13 @@ class Decoder(nnx.Module):
         return self._logits(stream)
 
     def prefill(self, tokens: jax.Array, valid: jax.Array, state: DecodeState,
-                start: jax.Array, slices: bool = False) -> tuple[jax.Array, DecodeState]:
+                start: jax.Array, slices: bool = False, every_position: bool = False,
+                ) -> tuple[jax.Array, DecodeState]:
         """One prefill chunk: tokens [B, C] at absolute positions [start, start + C); rows may
         end early (`valid` [B, C], padding after the real tokens). Returns the logits [B, vocab]
         at each row's last real token of the chunk (garbage for rows with none) and the state
-        with the chunk absorbed. Only those B positions go through the LM head.
+        with the chunk absorbed. Only those B positions go through the LM head, unless
+        `every_position` (not with `slices`): then every position's logits, [B, C, vocab].
 
         `slices`: context-parallel prefill of one sequence, its state the same in every row:
         row r holds the tokens at [start + r C, start + (r + 1) C) (padding only after the
@@ -250,6 +252,9 @@ class Decoder(nnx.Module):
             lengths = jnp.where(total > 0, start + total, state.lengths)
         else:
             lengths = jnp.where(count > 0, start + count, state.lengths)
+        if every_position:
+            assert not slices, "every_position logits of a context-parallel chunk"
+            return self._logits(stream), state._replace(lengths=lengths)
         if self.cfg.attn_res_block_size:
             stream = stream._replace(prefix_sum=stream.prefix_sum[rows, last],
                                      blocks=stream.blocks[:, rows, last])

@@ -269,10 +269,13 @@ def create_app(state: ServerState) -> FastAPI:
             while True:
                 index, event = await events.get()
                 if isinstance(event, Delta):
-                    if event.ids or event.text:
+                    first = not started[index]
+                    if parsed.echo_only and not first:
+                        continue  # the prompt alone: what was run after it is not sent
+                    if event.ids or event.text or (first and parsed.echo):
                         yield _sse(protocol.chunk(rid, parsed, event, None, offsets[index],
-                                                  index, first=not started[index]))
-                        offsets[index] += protocol.text_length(event)
+                                                  index, first=first))
+                        offsets[index] += protocol.text_length(parsed, event, index, first)
                         started[index] = True
                     continue
                 if event.reason in ("error", "cancelled"):  # the other choices end with it

@@ -2,7 +2,7 @@
 `SamplingParams`, and the response, stream-chunk and error objects.
 
 Every check names its field (`RequestError.param`), so a client sees which value is wrong. What
-the server cannot do (echo, tools, structured output, ...: the fields of `UNSUPPORTED`) is
+the server cannot do (best_of, tools, structured output, ...: the fields of `UNSUPPORTED`) is
 refused when it is asked for, never silently ignored. A field that
 nothing here reads at all (a misspelt `max_token`, another server's extension) is accepted, as
 vLLM accepts it, and named in `Parsed.ignored`, which the server logs.
@@ -23,7 +23,7 @@ from typing import Any
 from k3text.config import Config
 from k3text.inference.engine import MAX_STOP_IDS
 from k3text.inference.sampling import MAX_LOGIT_BIAS
-from k3text.serving.scheduler import Delta, Finished, SamplingParams
+from k3text.serving.scheduler import Delta, Finished, PromptLogprob, SamplingParams
 from k3text.serving.text import ChatTemplate, token_text
 from k3text.tokenizer import Tokenizer
 
@@ -59,7 +59,6 @@ def _absent_or(*neutral: Any) -> Callable[[Any], bool]:
 # that cannot change the output are accepted (`NO_EFFECT`).
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _absent_or(1),
-    "prompt_logprobs": _absent_or(),
     "skip_special_tokens": _absent_or(True),  # special ids never have text here
     "use_beam_search": _absent_or(False),
     "allowed_token_ids": _absent_or(),
@@ -80,7 +79,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
     "suffix": _absent_or(""),
-    "echo": _absent_or(False),
     "add_special_tokens": _absent_or(True),  # vLLM's default for completions: bos as configured
 }
 UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
@@ -152,6 +150,9 @@ class Parsed:
     chat: bool
     tokens_as_ids: bool = False  # `return_tokens_as_token_ids`: log-probabilities name ids
     n: int = 1  # choices per prompt: each a request of its own (`choices`)
+    prompt_logprobs: int | None = None  # as asked (`prompt_logprobs` in the response)
+    echo: bool = False  # completions: the prompt before the output (text and logprobs)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token run, unsent)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     ignored: tuple[str, ...] = ()  # fields the request gave that nothing here reads (sorted)
 
@@ -360,11 +361,14 @@ class Protocol:
                             f"'{self.model_name}'", "model", status=404, kind="model_not_found")
 
     def _sampling(self, body: dict, prompt_len: int, logprobs: int | None,
-                  prompt_name: str) -> SamplingParams:
+                  prompt_name: str, echo: bool = False) -> SamplingParams:
+        """The sampling of one prompt of `prompt_len` tokens; with `echo`, `max_tokens` 0 (the
+        prompt alone) runs one token, which the response leaves out."""
         cfg = self.cfg
         room = cfg.max_target_length - prompt_len
         # max_completion_tokens is the newer name; a null one leaves max_tokens in force.
-        given = {n: _int(body, n, None, 1) for n in ("max_completion_tokens", "max_tokens")}
+        given = {n: _int(body, n, None, 0 if echo else 1)
+                 for n in ("max_completion_tokens", "max_tokens")}
         name = next((n for n, v in given.items() if v is not None), None)
         if name is None:
             if room < 1:
@@ -373,7 +377,7 @@ class Protocol:
                                    prompt_name)
             max_tokens = min(cfg.serve_default_max_tokens, room)
         else:
-            max_tokens = given[name]
+            max_tokens = max(given[name], 1)
         if prompt_len + max_tokens > cfg.max_target_length:
             raise RequestError(f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) exceeds "
                                f"the cache of max_target_length={cfg.max_target_length} tokens",
@@ -420,7 +424,19 @@ class Protocol:
             seed=seed, stop=tuple(stop),
             stop_token_ids=tuple(stop_ids), logprobs=logprobs, ignore_eos=ignore_eos,
             min_tokens=min_tokens, logit_bias=self._logit_bias(body),
-            include_stop_str=_bool(body, "include_stop_str_in_output", False))
+            include_stop_str=_bool(body, "include_stop_str_in_output", False),
+            prompt_logprobs=self._prompt_scores(body, logprobs if echo else None))
+
+    def _prompt_scores(self, body: dict, echoed: int | None) -> int | None:
+        """vLLM's `prompt_logprobs` (each prompt token's log-probability and rank, and the top
+        N at its place); `echoed`: the `logprobs` an echoed prompt shows, which need them too."""
+        asked = _int(body, "prompt_logprobs", None, 0, self.cfg.serve_max_logprobs)
+        if asked is not None and _bool(body, "stream", False):
+            raise RequestError("'prompt_logprobs' is not available with stream=true",
+                               "prompt_logprobs")
+        if asked is None or echoed is None:
+            return asked if echoed is None else echoed
+        return max(asked, echoed)
 
     def _logit_bias(self, body: dict) -> tuple[tuple[int, float], ...]:
         """`logit_bias`: {token id (as a JSON key, a string): bias in [-100, 100]}."""
@@ -492,6 +508,7 @@ class Protocol:
         return Parsed(prompts, params, stream, include_usage,
                       _bool(body, "return_token_ids", False), chat=chat,
                       tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False), n=n,
+                      prompt_logprobs=body.get("prompt_logprobs"),
                       ignored=body.unread() + unread_options)
 
     def completion(self, body: Any) -> Parsed:
@@ -499,13 +516,19 @@ class Protocol:
         _refuse_unsupported(body, UNSUPPORTED_COMPLETION)
         prompts = self._completion_prompts(body)
         logprobs = _int(body, "logprobs", None, 0, self.cfg.serve_max_logprobs)
+        echo = _bool(body, "echo", False)
         params = []
         for i, ids in enumerate(prompts):
             with _batch_item(i, len(prompts)):
                 self._check_prompt(ids, "prompt")
-                params.append(self._sampling(body, len(ids), logprobs, "prompt"))
+                params.append(self._sampling(body, len(ids), logprobs, "prompt", echo))
         stream = _bool(body, "stream", False)
-        return self._parsed(body, prompts, params, stream, chat=False)
+        parsed = self._parsed(body, prompts, params, stream, chat=False)
+        parsed.echo = echo
+        limit = next((v for v in (body.get("max_completion_tokens"), body.get("max_tokens"))
+                      if v is not None), None)
+        parsed.echo_only = echo and limit == 0
+        return parsed
 
     def _completion_prompts(self, body: _Read) -> list[list[int]]:
         """A completions request's prompts' ids (bos first for text when the config adds one):
@@ -623,22 +646,41 @@ class Protocol:
         return list(self.tokenizer.token_bytes(token)) if self.tokenizer is not None and \
             token < self.tokenizer.vocab_size else []
 
-    def text_length(self, delta: Delta) -> int:
-        """Characters `delta`'s tokens add to the completions log-probabilities' `text_offset`
+    def text_length(self, parsed: Parsed, delta: Delta | None, index: int = 0,
+                    first: bool = False) -> int:
+        """Characters a stream chunk of choice `index` (`delta`'s tokens, and on its `first`
+        chunk an echoed prompt's) adds to the completions log-probabilities' `text_offset`
         (each token's own text, as `tokens` lists it)."""
-        return sum(len(self._text(t)) for t in delta.ids)
+        ids = [] if delta is None or parsed.echo_only else delta.ids
+        if first and parsed.echo:
+            ids = [*parsed.prompts[index // parsed.n], *ids]
+        return sum(len(self._text(t)) for t in ids)
+
+    def _echo_text(self, ids: list[int]) -> str:
+        """An echoed prompt's text (special ids have none)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([t for t in ids if t < self.tokenizer.vocab_size])
 
     def _logprobs(self, deltas: list[Delta], parsed: Parsed, offset: int = 0,
+                  echoed: tuple[list[int], list[PromptLogprob]] | None = None,
                   ) -> dict[str, Any] | None:
         """The choice's `logprobs` for `deltas`; `offset`: the characters before them (a
-        stream's earlier chunks). Tokens are named by their text, or with
-        `return_tokens_as_token_ids` (vLLM's) as "token_id:N", which tells apart ids whose
-        text is the same (special ids, bytes that end inside a character)."""
-        if not deltas or deltas[0].top is None:
+        stream's earlier chunks); `echoed`: an echoed prompt's ids and scores, which come
+        first (its first token has no log-probability, as in OpenAI's). Tokens are named by
+        their text, or with `return_tokens_as_token_ids` (vLLM's) as "token_id:N", which tells
+        apart ids whose text is the same (special ids, bytes that end inside a character)."""
+        n_top = parsed.params.logprobs
+        if n_top is None or (not deltas and echoed is None):
             return None
         ids = [t for d in deltas for t in d.ids]
-        lps = [x for d in deltas for x in d.logprobs]
-        tops = [t for d in deltas for t in d.top]
+        lps: list[float | None] = [x for d in deltas for x in d.logprobs]
+        tops: list[list[tuple[int, float]] | None] = [t for d in deltas for t in d.top]
+        if echoed is not None:
+            prompt, scores = echoed
+            ids = [*prompt, *ids]
+            lps = [None, *(lp for lp, _, _ in scores), *lps]
+            tops = [None, *(top[:n_top] for _, _, top in scores), *tops]
         name = (lambda t: f"token_id:{t}") if parsed.tokens_as_ids else self._text
         if parsed.chat:
             return {"content": [
@@ -651,9 +693,12 @@ class Protocol:
             offsets.append(offset)
             offset += len(self._text(t))
 
-        def top_entries(top: list[tuple[int, float]], chosen: int, lp: float) -> dict:
+        def top_entries(top: list[tuple[int, float]] | None, chosen: int, lp: float | None,
+                        ) -> dict | None:
             # Most likely first, so where two ids share a name the likelier one's value stays;
             # then the chosen token, as OpenAI's completions list it (N + 1 entries at most).
+            if top is None:  # an echoed prompt's first token
+                return None
             entries: dict[str, float] = {}
             for a, b in [*top, (chosen, lp)]:
                 entries.setdefault(name(a), b)
@@ -664,10 +709,25 @@ class Protocol:
                                  for t, lp, top in zip(ids, lps, tops, strict=True)],
                 "text_offset": offsets}
 
+    def _prompt_logprobs(self, ids: list[int], scores: list[PromptLogprob] | None,
+                         n_top: int) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token (none for the first) its id and the top
+        `n_top` ids at its place, each with its log-probability, rank and text."""
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for token, (lp, rank, top) in zip(ids[1:], scores or [], strict=True):
+            entries = {str(token): {"logprob": lp, "rank": rank,
+                                    "decoded_token": self._text(token)}}
+            for r, (t, b) in enumerate(top[:n_top], start=1):
+                entries.setdefault(str(t), {"logprob": b, "rank": r,
+                                            "decoded_token": self._text(t)})
+            out.append(entries)
+        return out
+
     def usage(self, parsed: Parsed, finished: list[Finished]) -> dict[str, int]:
-        """Usage of a request's choices: each prompt once, every choice's tokens."""
+        """Usage of a request's choices: each prompt once, every choice's tokens (none for an
+        echoed prompt alone, whose one token run is not sent)."""
         prompt = sum(len(ids) for ids in parsed.prompts)
-        completion = sum(f.completion_tokens for f in finished)
+        completion = 0 if parsed.echo_only else sum(f.completion_tokens for f in finished)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
@@ -676,24 +736,40 @@ class Protocol:
         """The whole response; `choices`: each choice's deltas and finish, in index order.
         With `return_token_ids`, a completion choice holds its prompt's ids
         (`prompt_token_ids`, as vLLM places them: a batch's prompts differ), a chat response
-        holds them once."""
+        holds them once; `prompt_logprobs` likewise. With `echo` the prompt comes first in a
+        choice's text and log-probabilities; with `max_tokens` 0 it is all there is."""
         return_choices = []
+        prompt_logprobs = None
         for index, (deltas, finished) in enumerate(choices):
-            text = "".join(d.text for d in deltas)
-            choice: dict[str, Any] = {"index": index, "finish_reason": finished.reason,
-                                      "logprobs": self._logprobs(deltas, parsed)}
+            prompt = parsed.prompts[index // parsed.n]
+            scores = deltas[0].prompt if deltas else None
+            out = [] if parsed.echo_only else deltas
+            text = "".join(d.text for d in out)
+            if parsed.echo:
+                text = self._echo_text(prompt) + text
+            choice: dict[str, Any] = {
+                "index": index, "finish_reason": "length" if parsed.echo_only
+                else finished.reason,
+                "logprobs": self._logprobs(out, parsed,
+                                           echoed=(prompt, scores) if parsed.echo else None)}
             if parsed.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
+            if parsed.prompt_logprobs is not None:
+                prompt_logprobs = self._prompt_logprobs(prompt, scores, parsed.prompt_logprobs)
+                if not parsed.chat:
+                    choice["prompt_logprobs"] = prompt_logprobs
             if parsed.return_token_ids:
                 if not parsed.chat:
-                    choice["prompt_token_ids"] = parsed.prompts[index // parsed.n]
-                choice["token_ids"] = [t for d in deltas for t in d.ids]
+                    choice["prompt_token_ids"] = prompt
+                choice["token_ids"] = [t for d in out for t in d.ids]
             return_choices.append(choice)
         body = {"id": rid, "object": "chat.completion" if parsed.chat else "text_completion",
                 "created": parsed.created, "model": self.model_name, "choices": return_choices,
                 "usage": self.usage(parsed, [f for _, f in choices])}
+        if parsed.chat and parsed.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs
         if parsed.return_token_ids and parsed.chat:
             body["prompt_token_ids"] = parsed.prompt_ids
         return body
@@ -711,19 +787,28 @@ class Protocol:
               offset: int = 0, index: int = 0, first: bool = False) -> dict[str, Any]:
         """A stream chunk of choice `index`: `delta`'s tokens (`offset`: the characters that
         choice streamed before them), or its finish with no tokens. A completion choice's
-        `first` chunk holds its prompt's ids with `return_token_ids` (vLLM's placement)."""
-        choice: dict[str, Any] = {"index": index, "finish_reason": finish,
-                                  "logprobs": self._logprobs([delta], parsed, offset)
-                                  if delta else None}
-        text = delta.text if delta else ""
+        `first` chunk holds its prompt's ids with `return_token_ids` (vLLM's placement), and
+        with `echo` the prompt's text and log-probabilities before its own."""
+        out = [delta] if delta is not None and not parsed.echo_only else []
+        echoed = first and parsed.echo
+        prompt = parsed.prompts[index // parsed.n]
+        if finish is not None and parsed.echo_only:
+            finish = "length"  # the prompt alone: what was run after it is not sent
+        choice: dict[str, Any] = {
+            "index": index, "finish_reason": finish,
+            "logprobs": self._logprobs(out, parsed, offset, echoed=(
+                prompt, delta.prompt if delta else None) if echoed else None)}
+        text = "".join(d.text for d in out)
+        if echoed:
+            text = self._echo_text(prompt) + text
         if parsed.chat:
             choice["delta"] = {"content": text} if delta else {}
         else:
             choice["text"] = text
         if parsed.return_token_ids:
             if first and not parsed.chat:
-                choice["prompt_token_ids"] = parsed.prompts[index // parsed.n]
-            choice["token_ids"] = delta.ids if delta else []
+                choice["prompt_token_ids"] = prompt
+            choice["token_ids"] = [t for d in out for t in d.ids]
         return self._chunk(rid, parsed, [choice])
 
     def role_chunk(self, rid: str, parsed: Parsed, index: int = 0) -> dict[str, Any]:

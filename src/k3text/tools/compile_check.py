@@ -124,7 +124,8 @@ def programs(inputs: dict[str, Any]) -> dict[str, tuple[Any, tuple]]:
 def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
                      ) -> dict[str, tuple[Any, tuple]]:
     """{name: (jitted function, abstract args)} for the server's programs at the configured
-    slot count: a prefill chunk into a `serve_prefill_batch`-row prefix, inserting that prefix
+    slot count: a prefill chunk into a `serve_prefill_batch`-row prefix (and the scored one
+    of a request for `prompt_logprobs`, every position through the LM head), inserting that prefix
     into the pool, one `generate` call of `serve_steps_per_call` steps over every slot, and
     `decode_and_prefill` (those steps with a whole chunk of the prefix riding the first, its
     rows inserted after it): the call the scheduler makes while a group is being prefilled."""
@@ -163,6 +164,11 @@ def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
                                   donate_argnums=3),
                           (params, row(jnp.int32, chunk), row(jnp.bool_, chunk), prefix,
                            inputs["start"])),
+        "serve scored prefill": (
+            jax.jit(functools.partial(engine.scored_prefill_chunk_program, graphdef,
+                                      top_n=top_n), donate_argnums=3),
+            (params, row(jnp.int32, chunk), row(jnp.bool_, chunk), prefix, inputs["start"],
+             row(jnp.int32, chunk))),
         "serve insert": (jax.jit(functools.partial(engine.insert_program, top_n=top_n),
                                  donate_argnums=0),
                          (pool, prefix, *insert_args)),
