@@ -152,8 +152,9 @@ def test_prompt_scores_of_split_logits_are_exact_and_gather_only_each_shards_top
 def test_serving_programs_move_only_activations(config):
     """The server's programs at the configured slot count move activations only: `insert`
     gathers nothing but the prefix logits it samples from, a `generate` step adds one
-    collective to the decode step's: the logits gathered for sampling (never the LM head), and
-    the call with a prefill chunk riding its first step moves no parameter either."""
+    collective to the decode step's: the logits gathered for sampling (never the LM head), the
+    call with a prefill chunk riding its first step moves no parameter either, and the scored
+    chunk of `prompt_logprobs` never gathers its logits."""
     cfg = load_config(ROOT / "configs/inference" / config)
     ctx = mesh_context(cfg)
     with sharding.use_mesh(ctx.mesh, ctx.rules):
@@ -169,3 +170,8 @@ def test_serving_programs_move_only_activations(config):
     assert reports["serve insert"].count <= 1
     assert reports["serve generate"].count == reports["decode step"].count + 1
     assert reports["serve decode + prefill"].count > reports["serve generate"].count
+    # Scoring every position adds reductions over the vocabulary and the shards' top N, never
+    # the logits themselves: no collective larger than the plain chunk's.
+    scored, plain = reports["serve scored prefill"], reports["serve prefill"]
+    assert scored.count <= plain.count + 6
+    assert max(c.bytes for c in scored.collectives) == max(c.bytes for c in plain.collectives)

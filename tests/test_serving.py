@@ -1969,8 +1969,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "k3-small", "prompt": [3, 512]}, "prompt"),
     ("/v1/completions", {"model": "k3-small", "prompt": [3, -1]}, "prompt"),
     ("/v1/completions", {"model": "k3-small", "prompt": [3, "a"]}, "prompt"),
-    ("/v1/completions", {"model": "k3-small", "prompt": [[3], [4]]}, "prompt"),
-    ("/v1/completions", {"model": "k3-small", "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"model": "k3-small", "prompt": [[3], [4, 600]]}, "prompt"),
+    ("/v1/completions", {"model": "k3-small", "prompt": ["a", ""]}, "prompt"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "best_of": 2}, "best_of"),
     ("/v1/completions", {"model": "k3-small", "prompt": "x", "stop_token_ids": 0},
      "stop_token_ids"),
@@ -2175,9 +2175,9 @@ def test_isolation_under_concurrent_mixed_load(shipped):
     run_load(server, prompts, reference, 64, "k3-small")
     assert not [line for line in server.lines if "Traceback" in line or "ERROR" in line]
     compiles = [line for line in server.lines if "compiling" in line]
-    # Prefill chunk, insert, generate, the decode step with a chunk riding along, the prefix
-    # cache's restore and save: once each.
-    assert len(compiles) == 6, compiles
+    # Prefill chunk, its scored form, insert, generate, the decode step with a chunk riding
+    # along, the prefix cache's restore and save: once each.
+    assert len(compiles) == 7, compiles
     metrics = server.metrics()  # the load repeats prompts: the cache served some
     assert metrics["k3text_prefix_cache_hit_tokens_total"] >= 16
     assert 0 < metrics["k3text_prefix_cache_bytes"] <= 2_000_000
