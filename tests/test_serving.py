@@ -1170,7 +1170,9 @@ def test_a_batch_of_prompts_is_read_prompt_by_prompt(protocol):
                                                             (2, 5), (2, 6)]
     for bad, param, where in (([text, ""], "prompt", "prompt 1 of the batch"),
                               ([[3], [3, 10**6]], "prompt", "prompt 1 of the batch"),
-                              ([[3], 7], "prompt", None),
+                              ([[3], 7], "prompt", "batch of strings or token-id lists; "
+                                                       "item 1 is int"),
+                              (["a", "b", 7], "prompt", "item 2 is int"),
                               ([[3] * 80, [3]], "prompt", "prompt 0 of the batch")):
         with pytest.raises(RequestError) as e:
             _completion(protocol, prompt=bad)

@@ -534,8 +534,12 @@ class Protocol:
         """A completions request's prompts' ids (bos first for text when the config adds one):
         a string, a list of token ids, or a batch (a list) of either."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(p, list | str)
-                                                       for p in prompt):
+        batch = isinstance(prompt, list) and [isinstance(p, list | str) for p in prompt]
+        if batch and any(batch) and not all(batch):
+            odd = batch.index(False)
+            raise RequestError(f"'prompt' is a batch of strings or token-id lists; item {odd} "
+                               f"is {_type_name(prompt[odd])}", "prompt")
+        if batch and all(batch):
             batch = []
             for i, item in enumerate(prompt):
                 with _batch_item(i, len(prompt)):
