@@ -208,6 +208,9 @@ def serve(engine, cfg, requests, poison: bool = False, prefill_engine=None):
                 result["ids"] += event.ids
                 result["lps"] += event.logprobs
                 result["top"] += [[lp for _, lp in row] for row in event.top]
+                if event.prompt is not None:  # prompt_logprobs, with the first tokens
+                    assert "prompt" not in result and len(result["ids"]) <= 1
+                    result["prompt"] = event.prompt
         return receive
 
     scheduler.start()

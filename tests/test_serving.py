@@ -7,6 +7,7 @@ start-up and SIGTERM behave."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -370,6 +371,16 @@ class _Calls:
         return call
 
 
+class _Override:
+    """An engine with some methods replaced."""
+
+    def __init__(self, engine, **methods):
+        self._engine, self._methods = engine, methods
+
+    def __getattr__(self, name):
+        return self._methods.get(name) or getattr(self._engine, name)
+
+
 @pytest.mark.parametrize("tensor", [1, 2])
 def test_prefill_apart_serves_what_riding_chunks_serve(tiny, tensor):
     """`serve_prefill_apart`: prompts are prefilled on a second mesh, ahead of a free slot, and
@@ -415,6 +426,72 @@ def test_prefill_apart_serves_what_riding_chunks_serve(tiny, tensor):
         assert calls.names.count("insert") >= len(requests) // 2
         if cache:
             assert scheduler.prefix_cache.hit_tokens >= 32, scheduler.prefix_cache.summary()
+
+
+def test_scored_prompts_group_with_their_kind_and_score_as_alone(tiny):
+    """Requests for `prompt_logprobs` among plain ones, prefill groups of two, with chunks
+    riding the decode calls and with prefill apart: each scored prompt gets the scores its
+    engine's scored chunks give it alone, each output the same request's without scores;
+    scored prompts were grouped two at a time and never rode a decode call."""
+    from test_prefix_cache import check_equal, serve
+
+    from k3text.serve import build_prefill_engine
+
+    cfg, engine = tiny
+    cfg = cfg.replace(per_device_batch_size=3, serve_steps_per_call=2, serve_prefill_batch=2)
+    rng = np.random.default_rng(6)
+    kinds = "SSPSSPPS"  # scored prompts in pairs, so two share each group
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist()
+               for n in (5, 40, 17, 33, 1, 20, 2, 50)]
+    requests = [(p, SamplingParams(max_tokens=4, temperature=0.0, logprobs=2,
+                                   prompt_logprobs=2 if k == "S" else None))
+                for p, k in zip(prompts, kinds, strict=True)]
+    plain, _ = serve(engine, cfg, [(p, dataclasses.replace(s, prompt_logprobs=None))
+                                   for p, s in requests])
+    chunk, top = cfg.prefill_chunk_size, cfg.serve_max_logprobs
+    apart_cfg = cfg.replace(serve_prefill_apart=True)
+    prefill_engine = build_prefill_engine(apart_cfg, engine)
+    scored_chunks = sum(-(-len(p) // chunk) for p, k in zip(prompts, kinds, strict=True)
+                        if k == "S")
+    for run in ("riding", "apart"):
+        calls = _Calls(engine if run == "riding" else prefill_engine)
+        rows = []  # prompts with tokens in each scored call
+        scored_call = calls._engine.dispatch_prefill_scored
+
+        def counted(prefix, tokens, valid, *args, scored_call=scored_call, rows=rows):
+            rows.append(int(valid.any(axis=1).sum()))
+            return scored_call(prefix, tokens, valid, *args)
+
+        calls._engine = _Override(calls._engine, dispatch_prefill_scored=counted)
+        got, _ = (serve(calls, cfg, requests) if run == "riding" else
+                  serve(engine, apart_cfg, requests, prefill_engine=calls))
+        check_equal(plain, got)
+        # Every chunk of every scored prompt ran scored (none rode a decode call), in fewer
+        # calls than chunks: two prompts to a group.
+        assert sum(rows) == scored_chunks and len(rows) < scored_chunks, (run, rows)
+        for i, (prompt, kind) in enumerate(zip(prompts, kinds, strict=True)):
+            if kind == "P":
+                assert "prompt" not in got[i]
+                continue
+            solo = calls if run == "apart" else engine
+            padded = -(-len(prompt) // chunk) * chunk
+            tokens = np.full((2, padded), cfg.pad_token_id, np.int32)
+            valid, targets = np.zeros(tokens.shape, bool), np.zeros(tokens.shape, np.int32)
+            tokens[0, : len(prompt)], valid[0, : len(prompt)] = prompt, True
+            targets[0, : len(prompt) - 1] = prompt[1:]
+            prefix, alone = solo.new_prefix(2), []
+            for start in range(0, padded, chunk):
+                part = slice(start, start + chunk)
+                prefix, s = solo.prefill_scored(prefix, tokens[:, part], valid[:, part], start,
+                                                targets[:, part], top)
+                alone.append(s)
+            want = [np.concatenate(a, axis=1)[0, : len(prompt) - 1]
+                    for a in zip(*alone, strict=True)]
+            scores = got[i]["prompt"]
+            assert scores.logprobs.shape == (len(prompt) - 1,) and scores.top_ids.shape[1] == 2
+            np.testing.assert_allclose(scores.logprobs, want[0], atol=1e-5)
+            np.testing.assert_array_equal(scores.ranks, want[1])
+            np.testing.assert_allclose(scores.top_logprobs, want[3][:, :2], atol=1e-5)
 
 
 def test_prefill_apart_refuses_a_second_mesh_it_cannot_have():
@@ -1180,6 +1257,10 @@ def test_a_batch_of_prompts_is_read_prompt_by_prompt(protocol):
     with pytest.raises(RequestError, match="prompt 1 of the batch") as e:
         _completion(protocol, prompt=[[3], long], max_tokens=length - len(long) + 1)
     assert e.value.param == "max_tokens"
+    for field, value in (("temperature", 5), ("stop", 7), ("prompt_logprobs", 99)):
+        with pytest.raises(RequestError) as e:  # the request's own, not a prompt's
+            _completion(protocol, prompt=[[3], [4]], **{field: value})
+        assert e.value.param == field and "of the batch" not in e.value.message
     queue = protocol.cfg.max_queued_requests
     with pytest.raises(RequestError, match="prompts x n") as e:
         _completion(protocol, prompt=[[3]] * queue, n=2)

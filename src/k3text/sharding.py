@@ -239,7 +239,8 @@ def top_k_features(x: jax.Array, k: int, features: str) -> tuple[jax.Array, jax.
     axes = ctx.axes(features)
 
     def body(local: jax.Array) -> tuple[jax.Array, jax.Array]:
-        values, index = jax.lax.top_k(local, k)
+        # A shard narrower than k gives all it has; the shards together still hold k.
+        values, index = jax.lax.top_k(local, min(k, local.shape[-1]))
         index = index + ctx.axis_index(features) * local.shape[-1]
         values = jax.lax.all_gather(values, axes, axis=x.ndim - 1, tiled=True)
         index = jax.lax.all_gather(index, axes, axis=x.ndim - 1, tiled=True)

@@ -305,6 +305,15 @@ class Engine:
         tokens; any id where there is none): the next token's log-probability and rank, and the
         `top_n` likeliest, as host arrays [P, width] (vLLM's `prompt_logprobs`). Every position
         goes through the LM head, so only the requests that ask for this pay for it."""
+        prefix, scores = self.dispatch_prefill_scored(prefix, tokens, valid, start, targets,
+                                                      top_n)
+        return prefix, scores.get()
+
+    def dispatch_prefill_scored(self, prefix: Prefix, tokens: np.ndarray, valid: np.ndarray,
+                                start: int, targets: np.ndarray, top_n: int,
+                                ) -> tuple[Prefix, Later[sampling.PromptScores]]:
+        """`prefill_scored`, returning as soon as the call is dispatched: its scores come to
+        the host on `get()`. One process only (several fetch in lockstep, `_to_host`)."""
         self._note_shape("scored prefill chunk", "{} x {} tokens, top {}".format(
             *tokens.shape, top_n))
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
@@ -312,7 +321,7 @@ class Engine:
                 self._weights, self._global(tokens, ("batch", None)),
                 self._global(valid, ("batch", None)), prefix, jnp.int32(start),
                 self._global(targets.astype(np.int32), ("batch", None)), top_n=top_n)
-        return prefix, sampling.PromptScores(*_to_host(tuple(scores)))
+        return prefix, Later(scores, lambda out: sampling.PromptScores(*_to_host(tuple(out))))
 
     def prefill_slices(self, prefix: Prefix, tokens: np.ndarray, valid: np.ndarray,
                        start: int) -> Prefix:
@@ -551,12 +560,14 @@ class Engine:
         for width in widths:
             chunk = np.full((prefill_batch, width), cfg.pad_token_id, np.int32)
             prefix = prefiller.prefill_chunk(prefix, chunk, np.zeros(chunk.shape, bool), 0)
-        if serving:  # the whole-chunk call of a request for `prompt_logprobs`
-            chunk = np.full((prefill_batch, cfg.prefill_chunk_size), cfg.pad_token_id, np.int32)
-            prefiller.prefill_scored(prefiller.new_prefix(prefill_batch), chunk,
-                                     np.zeros(chunk.shape, bool), 0, np.zeros_like(chunk),
-                                     top_n)
         prefixes = [prefix]
+        if serving:  # a request for `prompt_logprobs`: two whole chunks, then its insert
+            chunk = np.full((prefill_batch, cfg.prefill_chunk_size), cfg.pad_token_id, np.int32)
+            scored = prefiller.new_prefix(prefill_batch)
+            for _ in range(2):
+                scored, _ = prefiller.prefill_scored(scored, chunk, np.zeros(chunk.shape, bool),
+                                                     0, np.zeros_like(chunk), top_n)
+            prefixes.append(scored)
         rows = cfg.prefill_context_parallelism
         if rows > 1:  # the context-parallel call long prompts take, and its insert
             window = np.full((rows, cfg.prefill_chunk_size), cfg.pad_token_id, np.int32)

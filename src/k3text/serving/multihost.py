@@ -36,6 +36,7 @@ from jax.experimental import multihost_utils
 
 from k3text.inference.engine import Engine, Later, Pool, Prefix, Tokens
 from k3text.inference.prefix_cache import PrefixStore
+from k3text.inference.sampling import PromptScores
 
 log = logging.getLogger("k3text.serve")
 
@@ -157,6 +158,11 @@ class LeaderEngine:
                                     ) -> tuple[Pool, Prefix, Later[tuple]]:
         pool, prefix, *tokens = self._call("decode_and_prefill", args, kwargs)
         return pool, prefix, Later.done(tuple(tokens))
+
+    def dispatch_prefill_scored(self, *args: Any, **kwargs: Any,
+                                ) -> tuple[Prefix, Later[PromptScores]]:
+        prefix, scores = self._call("prefill_scored", args, kwargs)
+        return prefix, Later.done(scores)
 
     def close(self) -> None:
         """Tell the other processes to return from `follow` (unless they are gone)."""

@@ -22,8 +22,8 @@ from typing import Any
 
 from k3text.config import Config
 from k3text.inference.engine import MAX_STOP_IDS
-from k3text.inference.sampling import MAX_LOGIT_BIAS
-from k3text.serving.scheduler import Delta, Finished, PromptLogprob, SamplingParams
+from k3text.inference.sampling import MAX_LOGIT_BIAS, PromptScores
+from k3text.serving.scheduler import Delta, Finished, SamplingParams
 from k3text.serving.text import ChatTemplate, token_text
 from k3text.tokenizer import Tokenizer
 
@@ -245,13 +245,18 @@ def _check_ids(ids: list[Any], name: str, vocab: int,
     return list(ids)
 
 
+# The fields whose check depends on the prompt (its ids, its length, the room it leaves).
+_PER_PROMPT = ("prompt", "max_tokens", "max_completion_tokens", "min_tokens")
+
+
 @contextlib.contextmanager
 def _batch_item(index: int, size: int) -> Iterator[None]:
-    """A `RequestError` raised inside names prompt `index` of a batch of `size` prompts."""
+    """A `RequestError` raised inside about the prompt (`_PER_PROMPT`) names prompt `index` of
+    a batch of `size` prompts; one about a field of the whole request names none."""
     try:
         yield
     except RequestError as e:
-        if size == 1:
+        if size == 1 or e.param not in _PER_PROMPT:
             raise
         raise RequestError(f"prompt {index} of the batch: {e.message}", e.param, e.status,
                            e.kind) from None
@@ -380,8 +385,11 @@ class Protocol:
             max_tokens = max(given[name], 1)
         if prompt_len + max_tokens > cfg.max_target_length:
             raise RequestError(f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) exceeds "
-                               f"the cache of max_target_length={cfg.max_target_length} tokens",
-                               name)
+                               f"the cache of max_target_length={cfg.max_target_length} tokens"
+                               if given.get(name) != 0 else
+                               f"prompt ({prompt_len} tokens) leaves no room in the cache of "
+                               f"max_target_length={cfg.max_target_length} tokens for the one "
+                               f"token echo with {name} 0 runs after it", name)
         top_k = _int(body, "top_k", 0, -1, cfg.vocab_size)
         seed = _int(body, "seed", None, -(2**63), 2**64 - 1)
         stop = body.get("stop")
@@ -667,7 +675,7 @@ class Protocol:
         return self.tokenizer.decode([t for t in ids if t < self.tokenizer.vocab_size])
 
     def _logprobs(self, deltas: list[Delta], parsed: Parsed, offset: int = 0,
-                  echoed: tuple[list[int], list[PromptLogprob]] | None = None,
+                  echoed: tuple[list[int], PromptScores] | None = None,
                   ) -> dict[str, Any] | None:
         """The choice's `logprobs` for `deltas`; `offset`: the characters before them (a
         stream's earlier chunks); `echoed`: an echoed prompt's ids and scores, which come
@@ -683,8 +691,9 @@ class Protocol:
         if echoed is not None:
             prompt, scores = echoed
             ids = [*prompt, *ids]
-            lps = [None, *(lp for lp, _, _ in scores), *lps]
-            tops = [None, *(top[:n_top] for _, _, top in scores), *tops]
+            lps = [None, *scores.logprobs.tolist(), *lps]
+            tops = [None, *(list(zip(t[:n_top], b[:n_top], strict=True)) for t, b in zip(
+                scores.top_ids.tolist(), scores.top_logprobs.tolist(), strict=True)), *tops]
         name = (lambda t: f"token_id:{t}") if parsed.tokens_as_ids else self._text
         if parsed.chat:
             return {"content": [
@@ -713,15 +722,18 @@ class Protocol:
                                  for t, lp, top in zip(ids, lps, tops, strict=True)],
                 "text_offset": offsets}
 
-    def _prompt_logprobs(self, ids: list[int], scores: list[PromptLogprob] | None,
-                         n_top: int) -> list[dict[str, dict[str, Any]] | None]:
+    def _prompt_logprobs(self, ids: list[int], scores: PromptScores, n_top: int,
+                         ) -> list[dict[str, dict[str, Any]] | None]:
         """vLLM's `prompt_logprobs`: per prompt token (none for the first) its id and the top
         `n_top` ids at its place, each with its log-probability, rank and text."""
         out: list[dict[str, dict[str, Any]] | None] = [None]
-        for token, (lp, rank, top) in zip(ids[1:], scores or [], strict=True):
+        for token, lp, rank, top_ids, top_lps in zip(
+                ids[1:], scores.logprobs.tolist(), scores.ranks.tolist(),
+                scores.top_ids.tolist(), scores.top_logprobs.tolist(), strict=True):
             entries = {str(token): {"logprob": lp, "rank": rank,
                                     "decoded_token": self._text(token)}}
-            for r, (t, b) in enumerate(top[:n_top], start=1):
+            for r, (t, b) in enumerate(zip(top_ids[:n_top], top_lps[:n_top], strict=True),
+                                       start=1):
                 entries.setdefault(str(t), {"logprob": b, "rank": r,
                                             "decoded_token": self._text(t)})
             out.append(entries)

@@ -14,10 +14,10 @@ One thread owns the engine and the pool and loops over iterations:
    inserted into its slot, which also samples its first token — so a long prompt never stalls
    the running sequences for its whole length. With `enable_prefix_caching` a group starts
    from its longest cached prefix (`inference/prefix_cache.py`) and caches each block its
-   chunks complete. A context-parallel group's calls never ride, nor do those of a prompt
-   that asks for its own log-probabilities (`prompt_logprobs`): it is prefilled alone, whole
-   chunks through `Engine.prefill_scored`, past the prefix cache, and its scores go out with
-   its first tokens.
+   chunks complete. A context-parallel group's calls never ride, nor do those of prompts that
+   ask for their own log-probabilities (`prompt_logprobs`): they are grouped only with each
+   other, prefilled whole chunks at a time through `Engine.dispatch_prefill_scored`, past the
+   prefix cache, and each one's scores go out with its first tokens.
 With `serve_prefill_apart` (one process) prompts are prefilled by a second engine on a mesh of
 its own: each iteration first inserts the prefixes it has finished (copied onto the decode mesh)
 into free slots and dispatches the next chunks without waiting, then makes its decode call, which
@@ -73,17 +73,15 @@ def _failure(error: Exception, call: str, during: str) -> str:
     return f"internal error {during}"
 
 
-def _prompt_logprobs(job: _Prefill, row: int) -> list[PromptLogprob]:
-    """Row `row`'s prompt tokens after the first, each scored at the position before it."""
-    n = len(job.rows[row].prompt_ids) - 1
-    part = lambda a: np.concatenate(a, axis=1)[row, :n]  # noqa: E731
-    logprobs, ranks = part([s.logprobs for s in job.scores]), part([s.ranks for s in job.scores])
-    top_ids, top_lps = part([s.top_ids for s in job.scores]), \
-        part([s.top_logprobs for s in job.scores])
-    top = job.scored
-    return [(float(logprobs[q]), int(ranks[q]),
-             list(zip(top_ids[q, :top].tolist(), top_lps[q, :top].tolist(), strict=True)))
-            for q in range(n)]
+def _prompt_scores(job: _Prefill, row: int) -> PromptScores:
+    """Row `row`'s prompt tokens after the first, each scored at the position before it, with
+    the top N its request asked for (host arrays [tokens], top [tokens, N])."""
+    r = job.rows[row]
+    n, top = len(r.prompt_ids) - 1, r.params.prompt_logprobs
+    scores = [later.get() for later in job.scores]  # computed, as the prefix it came with
+    whole = PromptScores(*(np.concatenate(part, axis=1)[row, :n] for part in zip(*scores,
+                                                                                 strict=True)))
+    return whole._replace(top_ids=whole.top_ids[:, :top], top_logprobs=whole.top_logprobs[:, :top])
 
 
 def prefill_rows(cfg: Config) -> int:
@@ -121,27 +119,23 @@ class SamplingParams:
     include_stop_str: bool = False  # the stop string or stop id found stays in the output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     # None: none; N: each prompt token's log-probability and rank, and the top N at its place
-    # (vLLM's prompt_logprobs). The prompt is then prefilled alone, past the prefix cache.
+    # (vLLM's prompt_logprobs). The prompt is then prefilled with other such prompts only, past
+    # the prefix cache.
     prompt_logprobs: int | None = None
-
-
-# A prompt token's (log-probability, rank, top N (token, log-probability)) given the tokens
-# before it.
-PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 
 
 @dataclasses.dataclass
 class Delta:
     """New output of a request: tokens (stop tokens left out), their log-probabilities, the top
     N (token, log-probability) per token when asked, and the text now safe to send. The first
-    delta of a request that asked for `prompt_logprobs` carries them (`prompt`: one per prompt
-    token after the first)."""
+    delta of a request that asked for `prompt_logprobs` carries them (`prompt`: host arrays
+    over the prompt's tokens after the first, each scored given the tokens before it)."""
 
     ids: list[int]
     logprobs: list[float]
     top: list[list[tuple[int, float]]] | None
     text: str
-    prompt: list[PromptLogprob] | None = None
+    prompt: PromptScores | None = None
 
 
 @dataclasses.dataclass
@@ -171,7 +165,7 @@ class Request:
     text: TextStream | None = None
     stop_ids: np.ndarray | None = None  # the slot's stop-id row
     produced: int = 0  # tokens the device produced for it, as far as delivered
-    prompt_scores: list[PromptLogprob] | None = None  # sent with its first tokens
+    prompt_scores: PromptScores | None = None  # sent with its first tokens
     handed_over: bool = False  # its slot went to another request before its last tokens came
     done: bool = False
 
@@ -199,11 +193,11 @@ class _Prefill:
     start: int = 0
     chains: list[Chain | None] = dataclasses.field(default_factory=list)  # prefix-cache rows
     slices: bool = False  # one prompt prefilled context-parallel, a chunk per row per call
-    # One prompt whose positions are scored (`prompt_logprobs`, its top N), a whole chunk per
-    # call: the next tokens, and the scores of the chunks run so far.
-    scored: int | None = None
+    # Prompts whose positions are scored (`prompt_logprobs`), a whole chunk per call: the
+    # token after each position, and the scores of the chunks run so far.
+    scored: bool = False
     targets: np.ndarray | None = None
-    scores: list[PromptScores] = dataclasses.field(default_factory=list)
+    scores: list[Later[PromptScores]] = dataclasses.field(default_factory=list)
 
     @property
     def live(self) -> list[Request]:
@@ -470,7 +464,7 @@ class Scheduler:
             rows = len(job.rows)
             if job.slices:
                 width = cost = chunk * rows  # prompt tokens one call advances
-            elif job.scored is not None:
+            elif job.scored:
                 width, cost = chunk, chunk * len(job.live)
             else:
                 width = self.engine.chunk_width(max(len(r.prompt_ids) for r in job.live)
@@ -479,7 +473,7 @@ class Scheduler:
             if spent and spent + cost > budget:
                 return
             if not self._apart and self.decoding() and not spent and not job.slices \
-                    and job.scored is None:
+                    and not job.scored:
                 return  # a job started after decoding ended; its first chunk rides next time
             began = time.perf_counter()
             try:
@@ -488,10 +482,10 @@ class Scheduler:
                     job.prefix = self.prefiller.prefill_slices(
                         job.prefix, job.tokens[0, part].reshape(rows, chunk),
                         job.valid[0, part].reshape(rows, chunk), job.start)
-                elif job.scored is not None:
-                    job.prefix, scores = self.prefiller.prefill_scored(
+                elif job.scored:  # the top N of every N asked: one program for all
+                    job.prefix, scores = self.prefiller.dispatch_prefill_scored(
                         job.prefix, job.tokens[:, part], job.valid[:, part], job.start,
-                        job.targets[:, part], self.top_n)  # one program for every N
+                        job.targets[:, part], self.top_n)
                     job.scores.append(scores)
                 else:
                     job.prefix = self.prefiller.prefill_chunk(job.prefix, job.tokens[:, part],
@@ -532,7 +526,7 @@ class Scheduler:
         # they are inserted, so a finished prefix waits for a slot rather than a slot for it.
         free = self.num_slots if self._apart else len(self._free)
 
-        def scored(r: Request) -> bool:  # prefilled alone, every position scored
+        def scored(r: Request) -> bool:  # grouped with its kind only, every position scored
             return r.params.prompt_logprobs is not None
 
         def parallel(r: Request) -> bool:  # prefilled alone, context-parallel
@@ -543,15 +537,16 @@ class Scheduler:
             if not (self._waiting and free):
                 return None
             slices = parallel(self._waiting[0])
-            alone = slices or scored(self._waiting[0])
+            kind = scored(self._waiting[0])
         batch = cfg.prefill_context_parallelism if slices else self.prefill_batch
         prefix = self.prefiller.new_prefix(batch)  # before any request leaves the queue
         rows: list[Request | None] = []
         with self._cv:
-            # A chunked group stops at a prompt that goes alone: it goes next.
-            while self._waiting and len(rows) < min(free, 1 if alone else batch) \
+            # A group stops at a prompt that runs context-parallel, or that is scored where the
+            # group is not (or the other way round): it goes next.
+            while self._waiting and len(rows) < min(free, 1 if slices else batch) \
                     and not (rows and (parallel(self._waiting[0])
-                                       or scored(self._waiting[0]))):
+                                       or scored(self._waiting[0]) != kind)):
                 rows.append(self._waiting.popleft())
         if not rows:
             return None
@@ -570,10 +565,10 @@ class Scheduler:
             r.stop_ids = self.engine.stop_ids(r.params.stop_token_ids, r.params.ignore_eos)
         rows += [None] * (batch - len(rows))
         job = _Prefill(rows, prefix, tokens, valid, slices=slices)
-        if scored(rows[0]):  # the token after each position; past the prompt, any id
-            job.scored = rows[0].params.prompt_logprobs
-            job.targets = np.zeros(tokens.shape, np.int32)
-            job.targets[0, : len(rows[0].prompt_ids) - 1] = rows[0].prompt_ids[1:]
+        if kind:  # the token after each position; past the prompt, any id
+            job.scored, job.targets = True, np.zeros(tokens.shape, np.int32)
+            for i, r in enumerate(job.live):
+                job.targets[i, : len(r.prompt_ids) - 1] = r.prompt_ids[1:]
             return job  # restored positions would have no scores: no prefix cache
         if self.prefix_cache is not None:
             try:
@@ -675,8 +670,8 @@ class Scheduler:
         """Rows `ready` of `job` leave it for their slots."""
         taken = []
         for i in ready:
-            if job.scored is not None:
-                job.rows[i].prompt_scores = _prompt_logprobs(job, i)
+            if job.scored:
+                job.rows[i].prompt_scores = _prompt_scores(job, i)
             taken.append(job.rows[i])
             job.rows[i] = None
             self._end_chain(job, i)
@@ -704,7 +699,7 @@ class Scheduler:
             if self._prefill is None:
                 self._prefill = self._start_prefill()
             job = self._prefill
-            if job is not None and not job.slices and job.scored is None:
+            if job is not None and not job.slices and not job.scored:
                 return self._decode_with_chunk(job, owners)
         began = time.perf_counter()
         try:
