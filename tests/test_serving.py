@@ -1055,6 +1055,9 @@ def test_a_stop_string_counts_only_once_min_tokens_tokens_are_out(tokenizer):
     assert "".join(stream.add([t]) for t in ids) == "a" and stream.stopped
     stream = TextStream(tokenizer, [". c", "."], first_dot + 1, include_stop=True)
     assert "".join(stream.add([t]) for t in ids) == "a. b." and stream.stopped
+    assert stream.stopped_by == "."  # the one that begins first names the stop
+    stream = TextStream(tokenizer, ["d", ". c"])
+    assert "".join(stream.add([t]) for t in ids) == "a. b" and stream.stopped_by == ". c"
 
 
 def test_a_stream_holds_back_what_may_start_a_stop_string(tokenizer):
@@ -1966,6 +1969,38 @@ def test_prompt_logprobs_and_echo_score_the_prompt(shipped):
     assert len(chat["prompt_logprobs"]) == ran["count"] and chat["prompt_logprobs"][0] is None
     assert all(list(e) == [str(t)] for e, t in zip(chat["prompt_logprobs"][1:],
                                                    ran["tokens"][1:], strict=True))
+
+
+def test_stop_reason_names_the_stop_string_or_id_that_ended_the_output(shipped):
+    """vLLM's `stop_reason`: the stop string or stop token id that ended a choice, whole and
+    streamed; null where eos or the length ended it."""
+    server, prompts, reference = shipped
+    post = lambda body: httpx.post(server.url + "/v1/completions", json=body,  # noqa: E731
+                                   timeout=120).json()["choices"][0]
+    body = {"model": "k3-small", "prompt": prompts[3], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    free = post(body)
+    assert free["finish_reason"] == "length" and free["stop_reason"] is None
+    ids = free["token_ids"]
+    stop_id = next(t for i, t in enumerate(ids) if i and t not in ids[:i])
+    piece = httpx.post(server.url + "/detokenize", json={"tokens": ids[2:4]},
+                       timeout=60).json()["prompt"]
+    assert piece and piece not in httpx.post(server.url + "/detokenize", json={
+        "tokens": ids[:2]}, timeout=60).json()["prompt"]
+    for extra, reason in (({"stop_token_ids": [stop_id]}, stop_id),
+                          ({"stop": ["never said", piece]}, piece)):
+        whole = post({**body, **extra})
+        assert whole["finish_reason"] == "stop" and whole["stop_reason"] == reason, extra
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                          json={**body, **extra, "stream": True}) as s:
+            events = _sse(list(s.iter_lines()))
+        assert [(c["finish_reason"], c["stop_reason"]) for e in events[:-1]
+                for c in e["choices"] if c["finish_reason"]] == [("stop", reason)]
+    eos = load_config(CPU).eos_token_id
+    ended = next(i for i, r in enumerate(reference) if r["output_ids"][-1] == eos)
+    by_eos = post({**body, "prompt": prompts[ended], "ignore_eos": False,
+                   "max_tokens": MAX_STEPS})
+    assert by_eos["finish_reason"] == "stop" and by_eos["stop_reason"] is None
 
 
 def test_every_error_is_an_openai_error_object(shipped):

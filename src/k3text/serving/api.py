@@ -286,7 +286,8 @@ def create_app(state: ServerState) -> FastAPI:
                     yield "data: [DONE]\n\n"
                     return
                 yield _sse(protocol.chunk(rid, parsed, None, event.reason, index=index,
-                                          first=not started[index]))
+                                          first=not started[index],
+                                          stop_reason=event.stop_reason))
                 finished.append(event)
                 if len(finished) == len(jobs):
                     if parsed.include_usage:

@@ -766,6 +766,7 @@ class Protocol:
             choice: dict[str, Any] = {
                 "index": index, "finish_reason": "length" if parsed.echo_only
                 else finished.reason,
+                "stop_reason": None if parsed.echo_only else finished.stop_reason,
                 "logprobs": self._logprobs(out, parsed,
                                            echoed=(prompt, scores) if parsed.echo else None)}
             if parsed.chat:
@@ -800,7 +801,8 @@ class Protocol:
         return body
 
     def chunk(self, rid: str, parsed: Parsed, delta: Delta | None, finish: str | None,
-              offset: int = 0, index: int = 0, first: bool = False) -> dict[str, Any]:
+              offset: int = 0, index: int = 0, first: bool = False,
+              stop_reason: str | int | None = None) -> dict[str, Any]:
         """A stream chunk of choice `index`: `delta`'s tokens (`offset`: the characters that
         choice streamed before them), or its finish with no tokens. A completion choice's
         `first` chunk holds its prompt's ids with `return_token_ids` (vLLM's placement), and
@@ -809,9 +811,9 @@ class Protocol:
         echoed = first and parsed.echo
         prompt = parsed.prompts[index // parsed.n]
         if finish is not None and parsed.echo_only:
-            finish = "length"  # the prompt alone: what was run after it is not sent
+            finish, stop_reason = "length", None  # the prompt alone: what ran after is unsent
         choice: dict[str, Any] = {
-            "index": index, "finish_reason": finish,
+            "index": index, "finish_reason": finish, "stop_reason": stop_reason,
             "logprobs": self._logprobs(out, parsed, offset, echoed=(
                 prompt, delta.prompt if delta else None) if echoed else None)}
         text = "".join(d.text for d in out)
@@ -831,7 +833,7 @@ class Protocol:
         """A chat stream's first chunk of choice `index`: the assistant's role, before any
         token (and with `return_token_ids` the prompt's ids, as vLLM's first chunk has them)."""
         choice = {"index": index, "delta": {"role": "assistant", "content": ""},
-                  "logprobs": None, "finish_reason": None}
+                  "logprobs": None, "finish_reason": None, "stop_reason": None}
         body = self._chunk(rid, parsed, [choice])
         if parsed.return_token_ids:
             body["prompt_token_ids"] = parsed.prompt_ids

@@ -144,6 +144,9 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int  # every generated token, stop tokens included
     error: str | None = None
+    # What stopped it (vLLM's `stop_reason`): the stop string or stop token id; None for eos
+    # and every other reason.
+    stop_reason: str | int | None = None
 
 
 Event = Delta | Finished
@@ -165,6 +168,7 @@ class Request:
     text: TextStream | None = None
     stop_ids: np.ndarray | None = None  # the slot's stop-id row
     produced: int = 0  # tokens the device produced for it, as far as delivered
+    stop_reason: str | int | None = None  # `Finished.stop_reason`
     prompt_scores: PromptScores | None = None  # sent with its first tokens
     handed_over: bool = False  # its slot went to another request before its last tokens came
     done: bool = False
@@ -847,8 +851,13 @@ class Scheduler:
                             text, prompt=r.prompt_scores))
         r.prompt_scores = None  # sent with the first tokens
         if r.text.stopped:
+            r.stop_reason = r.text.stopped_by
             self._end(r, "stop", on_device=not device_done)
         elif device_done:
+            eos = ids[-1] == self.cfg.eos_token_id and not (r.params.ignore_eos
+                                                            or self.cfg.ignore_eos)
+            if hit_stop_id and not eos:  # a stop id asked for, not the model's own end
+                r.stop_reason = ids[-1]
             self._end(r, "stop" if hit_stop_id else "length", on_device=False)
 
     def _end(self, r: Request, reason: str, on_device: bool, error: str | None = None) -> None:
@@ -889,7 +898,8 @@ class Scheduler:
             self.metrics.e2e.observe(now - r.arrival)
             if r.first_token_at is not None and r.generated > 1:
                 self.metrics.tpot.observe((now - r.first_token_at) / (r.generated - 1))
-        self._send(r, Finished(reason, len(r.prompt_ids), r.generated, error))
+        self._send(r, Finished(reason, len(r.prompt_ids), r.generated, error,
+                               r.stop_reason if reason == "stop" else None))
 
     def _send(self, r: Request, event: Event) -> None:
         try:

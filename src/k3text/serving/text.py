@@ -39,6 +39,7 @@ class TextStream:
         self.include_stop = include_stop
         self.ids: list[int] = []
         self.stopped = False  # a stop string was found; `text` ends before it
+        self.stopped_by: str | None = None  # which one
         self.kept = 0  # how many tokens of the last `add` were kept
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         # The text, as the pieces already released and the rest. No stop string can begin in
@@ -63,10 +64,10 @@ class TextStream:
         self._rest += piece
         if len(self.ids) <= self.min_tokens:
             return
-        hits = [(at, len(stop)) for stop in self.stop
+        hits = [(at, len(stop), stop) for stop in self.stop
                 if (at := self._rest.find(stop, max(0, searched - len(stop) + 1))) >= 0]
         if hits:
-            at, length = min(hits)  # the stop string that begins first
+            at, length, self.stopped_by = min(hits)  # the stop string that begins first
             self._rest = self._rest[:at + length if self.include_stop else at]
             self.stopped = True
 
