@@ -214,6 +214,36 @@ def test_a_signal_during_decode_ends_in_one_line(tmp_path, signum):
     assert not output.exists() and list(tmp_path.iterdir()) == [log]
 
 
+@pytest.mark.parametrize("moment", ["first drawing", "closing"])
+def test_a_signal_as_a_progress_bar_draws_leaves_its_line_finished(monkeypatch, moment):
+    """A command preempted right after its bar's first drawing (or signalled inside the bar's
+    close) is unwound with the bar's line finished, so its last line ("interrupted; ...")
+    stands on a line of its own. The signal lands inside the write itself."""
+
+    class Stderr:
+        def __init__(self) -> None:
+            self.text, self.writes = "", 0
+
+        def write(self, s: str) -> int:
+            self.text += s
+            self.writes += bool(s)
+            if self.writes == {"first drawing": 1, "closing": 3}[moment]:
+                signal.raise_signal(signal.SIGINT)
+            return len(s)
+
+        def flush(self) -> None:
+            pass
+
+    stderr = Stderr()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    with pytest.raises(KeyboardInterrupt), files.unwinding_signals():
+        with files.progress_bar(total=4, desc="converting", mininterval=0) as bar:
+            bar.update(1)  # the second drawing
+    assert stderr.writes >= {"first drawing": 1, "closing": 3}[moment]
+    assert stderr.text.startswith("\rconverting:") and stderr.text.endswith("\n"), \
+        repr(stderr.text)
+
+
 def test_a_sigterm_inside_an_event_loop_callback_still_ends_the_command(capsys):
     # Orbax restores through asyncio, and asyncio logs and drops any exception a callback raises
     # except SystemExit and KeyboardInterrupt: a SIGTERM landing there must not be swallowed

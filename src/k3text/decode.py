@@ -28,7 +28,6 @@ if __name__ == "__main__":  # before jax starts, so CPU runs of multi-device con
 
 import grain  # noqa: E402
 import jax  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 from k3text import files, sharding  # noqa: E402
 from k3text.config import Config, ConfigError  # noqa: E402
@@ -300,18 +299,17 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                           for rows in {engine.ctx.size("batch") if a else batch for a in alone})
     records: list[dict[str, Any]] = []
     gens = []
-    bar = tqdm(total=len(requests), desc="decode", unit="prompt", file=sys.stderr,
-               disable=not cfg.progress or jax.process_index() != 0)
     cache = PrefixCache(cfg, engine) if cfg.enable_prefix_caching else None
-    for group in batches(requests, batch):
-        # Request i samples with seed `seed + i` whatever batch it falls in (the engine numbers
-        # rows from the seed it is given).
-        gen = engine.decode_batch([r.prompt_ids for r in group], batch=batch, cache=cache,
-                                  seed=cfg.seed + group[0].index, top_n=top_n)
-        gens.append(gen)
-        records += result_records(cfg, group, gen, tokenizer)
-        bar.update(len(group))
-    bar.close()
+    with files.progress_bar(total=len(requests), desc="decode", unit="prompt",
+                            disable=not cfg.progress or jax.process_index() != 0) as bar:
+        for group in batches(requests, batch):
+            # Request i samples with seed `seed + i` whatever batch it falls in (the engine
+            # numbers rows from the seed it is given).
+            gen = engine.decode_batch([r.prompt_ids for r in group], batch=batch, cache=cache,
+                                      seed=cfg.seed + group[0].index, top_n=top_n)
+            gens.append(gen)
+            records += result_records(cfg, group, gen, tokenizer)
+            bar.update(len(group))
     broken = sum(not all(map(math.isfinite, lps)) for g in gens for lps in g.output_logprobs)
     if broken:  # the sampler still picks a token from NaN logits; it is not an answer
         log.warning("%d of %d sequences hold tokens sampled from non-finite logits (NaN or "

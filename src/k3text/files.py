@@ -10,6 +10,7 @@
 - `signals_deferred`: SIGINT and SIGTERM delivered only once a step that must not be cut in
   half (a checkpoint save) is over;
 - `gc_safe`: a signal handler that never raises inside a garbage-collector callback;
+- `progress_bar`: a command's progress bar, whose line a signal never leaves open;
 - `exit_status`: 2 for an error in a command's input, 1 for the machine's;
 - `quiet_from_here`: a command's way out, with nothing a library left pending printed after
   its last line; `exit_now`, a way out that skips the exit handlers.
@@ -31,6 +32,8 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, NoReturn
+
+from tqdm import tqdm
 
 
 class OutputError(ValueError):
@@ -85,6 +88,23 @@ def signals_deferred() -> Iterator[None]:
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
         for signum in dict.fromkeys(arrived):
             signal.raise_signal(signum)
+
+
+@contextlib.contextmanager
+def progress_bar(**options: Any) -> Iterator[tqdm]:
+    """A tqdm bar on stderr (`options` as tqdm takes them) for the block, drawn first and closed
+    with SIGINT and SIGTERM deferred. A signal landing right after the bar's first drawing (the
+    command preempted there) or inside its close would leave the bar's line unfinished, and the
+    command's last line ("interrupted; ...") would be printed on the end of it."""
+    bar = None
+    try:
+        with signals_deferred():  # what arrives here is raised once the bar exists
+            bar = tqdm(file=sys.stderr, **options)
+        yield bar
+    finally:
+        if bar is not None:
+            with signals_deferred():
+                bar.close()
 
 
 @contextlib.contextmanager

@@ -360,27 +360,26 @@ def run_steps(cfg: Config, train_step: TrainStep, state: TrainState,
     """Steps start .. train_steps - 1 with loss logging, a progress bar and checkpoints."""
     schedule = learning_rate(cfg)
     losses: list[float] = []
-    bar = tqdm(total=cfg.train_steps, initial=start, desc="train", unit="step",
-               file=sys.stderr, disable=not cfg.progress)
-    logged, logged_at = start, time.perf_counter()
-    for step in range(start, cfg.train_steps):
-        state, loss = train_step(state, jnp.asarray(next(data)))
-        losses.append(float(loss))  # waits for the step, so the bar and timings are honest
-        done = step + 1
-        bar.update()
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        if done % cfg.log_every == 0 or done == cfg.train_steps:
-            now = time.perf_counter()
-            window = losses[logged - start:]
-            tqdm.write(f"step {done:5d} | loss {np.mean(window):.4f} | lr "
-                       f"{float(schedule(step)):.2e} | "
-                       f"{(now - logged_at) / len(window) * 1e3:.0f} ms/step", file=sys.stderr)
-            logged, logged_at = done, now
-        if manager is not None and (done % cfg.checkpoint_every == 0
-                                    or done == cfg.train_steps):
-            with files.signals_deferred():  # Ctrl-C stops the run once the save is out
-                save_checkpoint(manager, done, state, data)
-    bar.close()
+    with files.progress_bar(total=cfg.train_steps, initial=start, desc="train", unit="step",
+                            disable=not cfg.progress) as bar:
+        logged, logged_at = start, time.perf_counter()
+        for step in range(start, cfg.train_steps):
+            state, loss = train_step(state, jnp.asarray(next(data)))
+            losses.append(float(loss))  # waits for the step, so the bar and timings are honest
+            done = step + 1
+            bar.update()
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            if done % cfg.log_every == 0 or done == cfg.train_steps:
+                now = time.perf_counter()
+                window = losses[logged - start:]
+                tqdm.write(f"step {done:5d} | loss {np.mean(window):.4f} | lr "
+                           f"{float(schedule(step)):.2e} | "
+                           f"{(now - logged_at) / len(window) * 1e3:.0f} ms/step", file=sys.stderr)
+                logged, logged_at = done, now
+            if manager is not None and (done % cfg.checkpoint_every == 0
+                                        or done == cfg.train_steps):
+                with files.signals_deferred():  # Ctrl-C stops the run once the save is out
+                    save_checkpoint(manager, done, state, data)
     return state, losses
 
 

@@ -36,7 +36,6 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from k3text import files
 from k3text.checkpoint import hf, hf_config, names, store
@@ -435,8 +434,8 @@ def _stream(plan: Plan, writer: store.Writer, progress: bool) -> None:
     """Read the text tensors in storage order, one at a time, into their regions."""
     cfg, checkpoint = plan.source.cfg, plan.source.checkpoint
     total = sum(checkpoint.info(name).nbytes for name in plan.placements)
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
-              disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+    with files.progress_bar(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                            desc="converting", disable=not progress, dynamic_ncols=True) as bar:
         for i, (name, placements) in enumerate(plan.placements.items(), start=1):
             array = checkpoint.read(name)
             for p in placements:
