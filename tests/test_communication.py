@@ -112,7 +112,8 @@ def test_gather_features_is_exact_and_merges_pieces_on_the_same_axes(features):
     assert report.count_by_kind() == {"all-gather": groups}
 
 
-@pytest.mark.parametrize("vocab,top", [(512, 3), (8, 6)])  # the second: N > a shard's width
+# (8, 6): N wider than a shard; (512, 0): serve_max_logprobs=0, nothing to gather
+@pytest.mark.parametrize("vocab,top", [(512, 3), (8, 6), (512, 0)])
 def test_prompt_scores_of_split_logits_are_exact_and_gather_only_each_shards_top(vocab, top):
     """`sampling.score_next` on logits split over the vocabulary (as the LM head leaves them)
     equals a float64 reference, and moves only reductions over the vocabulary and each
@@ -144,8 +145,8 @@ def test_prompt_scores_of_split_logits_are_exact_and_gather_only_each_shards_top
                                np.take_along_axis(ref, order, -1), atol=1e-5)
     shards = ctx.size("vocab")
     gathered = [c for c in report.collectives if c.kind == "all-gather"]
-    assert len(gathered) == 2 and all(c.bytes <= 4 * 2 * 6 * min(top, vocab // shards) * shards
-                                      for c in gathered)
+    assert len(gathered) == (2 if top else 0)
+    assert all(c.bytes <= 4 * 2 * 6 * min(top, vocab // shards) * shards for c in gathered)
     assert all(c.bytes <= 4 * 2 * 6 for c in report.collectives if c.kind != "all-gather")
 
 

@@ -1253,6 +1253,7 @@ def test_a_batch_of_prompts_is_read_prompt_by_prompt(protocol):
                               ([[3], 7], "prompt", "batch of strings or token-id lists; "
                                                        "item 1 is int"),
                               (["a", "b", 7], "prompt", "item 2 is int"),
+                              ([1, 2, [3]], "prompt", "a list of token ids; item 2 is list"),
                               ([[3] * 80, [3]], "prompt", "prompt 0 of the batch")):
         with pytest.raises(RequestError) as e:
             _completion(protocol, prompt=bad)
@@ -1264,6 +1265,14 @@ def test_a_batch_of_prompts_is_read_prompt_by_prompt(protocol):
         with pytest.raises(RequestError) as e:  # the request's own, not a prompt's
             _completion(protocol, prompt=[[3], [4]], **{field: value})
         assert e.value.param == field and "of the batch" not in e.value.message
+    # prompt_logprobs 0 with stream asks for nothing (vLLM's reading); above 0 it is refused.
+    assert _completion(protocol, prompt=[3, 4], stream=True, prompt_logprobs=0) \
+        .params.prompt_logprobs is None
+    with pytest.raises(RequestError, match="not available with stream") as e:
+        _completion(protocol, prompt=[3, 4], stream=True, prompt_logprobs=1)
+    with pytest.raises(RequestError, match=r"exceeds max_tokens \(0\)") as e:
+        _completion(protocol, prompt=[3, 4], echo=True, max_tokens=0, min_tokens=1)
+    assert e.value.param == "min_tokens"
     queue = protocol.cfg.max_queued_requests
     with pytest.raises(RequestError, match="prompts x n") as e:
         _completion(protocol, prompt=[[3]] * queue, n=2)

@@ -234,7 +234,8 @@ def top_k_features(x: jax.Array, k: int, features: str) -> tuple[jax.Array, jax.
     k first, then the best k of those, so k values per shard travel instead of the whole axis.
     Returns (values, indices into the whole axis), whole on every device."""
     ctx = active()
-    if ctx is None or ctx.mesh.size == 1 or not _PINNING[-1] or not ctx.axes(features):
+    if (k == 0 or ctx is None or ctx.mesh.size == 1 or not _PINNING[-1]
+            or not ctx.axes(features)):  # k = 0: nothing to gather (a zero-width gather fails)
         return jax.lax.top_k(x, k)
     axes = ctx.axes(features)
 

@@ -321,7 +321,7 @@ class Engine:
                 self._weights, self._global(tokens, ("batch", None)),
                 self._global(valid, ("batch", None)), prefix, jnp.int32(start),
                 self._global(targets.astype(np.int32), ("batch", None)), top_n=top_n)
-        return prefix, Later(scores, lambda out: sampling.PromptScores(*_to_host(tuple(out))))
+        return prefix, Later(scores, lambda out: sampling.PromptScores(*out))  # fetched by get()
 
     def prefill_slices(self, prefix: Prefix, tokens: np.ndarray, valid: np.ndarray,
                        start: int) -> Prefix:

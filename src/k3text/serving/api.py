@@ -135,9 +135,10 @@ def create_app(state: ServerState) -> FastAPI:
             raise RequestError(f"the request body is not valid JSON ({e})") from None
 
     def too_large() -> JSONResponse:
-        return _error(f"the request body is larger than {state.max_body_bytes:,} bytes, more "
-                      f"than any prompt this server takes (max_prefill_predict_length="
-                      f"{protocol.cfg.max_prefill_predict_length} tokens)", 413,
+        return _error(f"the request body is larger than {state.max_body_bytes:,} bytes, the "
+                      f"most this server reads for one request (room for a prompt of "
+                      f"max_prefill_predict_length={protocol.cfg.max_prefill_predict_length} "
+                      f"tokens); send a large batch of prompts as several requests", 413,
                       "invalid_request_error")
 
     def warn_ignored(ignored: tuple[str, ...]) -> None:

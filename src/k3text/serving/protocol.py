@@ -417,9 +417,9 @@ class Protocol:
         if stop and self.tokenizer is None:
             raise RequestError("'stop' strings need a tokenizer; use stop_token_ids", "stop")
         min_tokens = _int(body, "min_tokens", 0, 0)
-        if min_tokens > max_tokens:
+        if min_tokens > max_tokens or (min_tokens and name and given[name] == 0):
             raise RequestError(f"'min_tokens' ({min_tokens}) exceeds {name or 'max_tokens'} "
-                               f"({max_tokens})", "min_tokens")
+                               f"({given[name] if name else max_tokens})", "min_tokens")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
@@ -440,8 +440,10 @@ class Protocol:
         N at its place); `echoed`: the `logprobs` an echoed prompt shows, which need them too."""
         asked = _int(body, "prompt_logprobs", None, 0, self.cfg.serve_max_logprobs)
         if asked is not None and _bool(body, "stream", False):
-            raise RequestError("'prompt_logprobs' is not available with stream=true",
-                               "prompt_logprobs")
+            if asked:  # no streamed chunk carries them (vLLM refuses them too)
+                raise RequestError("'prompt_logprobs' is not available with stream=true",
+                                   "prompt_logprobs")
+            asked = None  # 0, as vLLM takes it: nothing to score
         if asked is None or echoed is None:
             return asked if echoed is None else echoed
         return max(asked, echoed)
@@ -543,10 +545,14 @@ class Protocol:
         a string, a list of token ids, or a batch (a list) of either."""
         prompt = body.get("prompt")
         batch = isinstance(prompt, list) and [isinstance(p, list | str) for p in prompt]
-        if batch and any(batch) and not all(batch):
-            odd = batch.index(False)
-            raise RequestError(f"'prompt' is a batch of strings or token-id lists; item {odd} "
-                               f"is {_type_name(prompt[odd])}", "prompt")
+        if batch and any(batch) and not all(batch):  # the odd item is of the fewer kind
+            if 2 * sum(batch) >= len(batch):
+                odd = batch.index(False)
+                raise RequestError(f"'prompt' is a batch of strings or token-id lists; item "
+                                   f"{odd} is {_type_name(prompt[odd])}", "prompt")
+            odd = batch.index(True)
+            raise RequestError(f"'prompt' is a list of token ids; item {odd} is "
+                               f"{_type_name(prompt[odd])}", "prompt")
         if batch and all(batch):
             batch = []
             for i, item in enumerate(prompt):
