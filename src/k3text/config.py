@@ -617,6 +617,20 @@ def _validate(cfg: Config) -> None:
     _require(cfg.serve_iteration_timeout >= 0, f"serve_iteration_timeout must be >= 0 (0: no "
              f"limit), got {cfg.serve_iteration_timeout}")
     _validate_divisibility(cfg)
+    _validate_logits_layout(cfg)
+
+
+def _validate_logits_layout(cfg: Config) -> None:
+    """Logits are [batch, ..., vocab], and a mesh axis named by both rules goes to batch alone
+    (the first to claim it): the vocabulary's reductions, gathers and per-shard top N would then
+    run over an axis the logits are not split on, and give wrong numbers without an error."""
+    def split(logical: str) -> set[str]:
+        return {a for a in cfg.logical_axis_rules.get(logical, ()) if cfg.mesh_shape[a] > 1}
+
+    shared = sorted(split("batch") & split("vocab"))
+    _require(not shared, f"logical_axis_rules.batch and logical_axis_rules.vocab both split "
+             f"over {', '.join(shared)}: an axis the logits' rows take cannot split their "
+             f"vocabulary too; name it in one of them")
 
 
 def divisibility_table(cfg: Config) -> list[tuple[str, str, int]]:
