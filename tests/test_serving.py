@@ -94,6 +94,41 @@ def test_the_leader_engine_makes_dispatched_calls_whole(tiny, monkeypatch):
     assert sent == ["new_pool", "generate"]
 
 
+def test_the_stop_never_goes_out_inside_another_threads_call(monkeypatch):
+    """The server's main thread closes the leader while the scheduler's thread may still be in
+    an engine call (its drain timed out): the stop waits for that call to end, and a call
+    still under way when the wait runs out sends nothing more (the followers would read the
+    stop's bytes as that call's); calls after the stop are refused without a broadcast."""
+    import pickle
+    import threading
+
+    from k3text.serving import multihost
+
+    sent = []
+    monkeypatch.setattr(multihost, "_broadcast",
+                        lambda payload: sent.append(pickle.loads(payload)[0]) or payload)
+    entered, leave = threading.Event(), threading.Event()
+
+    class Engine:
+        def generate(self):
+            entered.set()
+            leave.wait(timeout=30)
+            sent.append("generate ended")
+
+    leader = LeaderEngine(Engine())
+    scheduler = threading.Thread(target=leader.generate)
+    scheduler.start()
+    assert entered.wait(timeout=30)
+    assert leader.close(timeout=0.2) is False and sent == ["generate"]
+    leave.set()
+    assert leader.close(timeout=30) is True
+    scheduler.join(timeout=30)
+    assert sent == ["generate", "generate ended", multihost._STOP]
+    with pytest.raises(RuntimeError, match="serving has stopped: engine call generate"):
+        leader.generate()
+    assert leader.close() is True and sent[-1] == multihost._STOP and len(sent) == 3
+
+
 def test_a_follower_goes_on_after_a_call_fails(monkeypatch):
     """A call that fails on a follower failed on process 0 too, whose scheduler recovers with
     more calls (a new pool): the follower logs the failure and makes them, instead of leaving

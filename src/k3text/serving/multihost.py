@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -108,12 +109,18 @@ def _returned(result: Any) -> list[tuple[str, Any]]:
 class LeaderEngine:
     """Process 0's engine: each program-running call is broadcast, then made; everything else
     (the config, `stop_ids`, ...) is the engine's own. Once a call finds a peer gone, every
-    call raises the same PeersLost at once, and `on_lost` is told (the server then stops)."""
+    call raises the same PeersLost at once, and `on_lost` is told (the server then stops).
+
+    A call and `close` hold one lock from the broadcast to the call's end, so the stop never
+    goes out between another thread's broadcast and its call (the followers would take the
+    stop's bytes for that call's, or wait in a collective process 0 never makes)."""
 
     def __init__(self, engine: Engine, on_lost: Callable[[PeersLost], None] = lambda e: None):
         self._engine = engine
         self._latest: dict[str, Any] = {}
         self._on_lost = on_lost
+        self._lock = threading.Lock()
+        self._closed = False
         self.lost: PeersLost | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -131,8 +138,15 @@ class LeaderEngine:
         return _Latest(kind)
 
     def _call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        with self._lock:
+            return self._locked_call(method, args, kwargs)
+
+    def _locked_call(self, method: str, args: tuple, kwargs: dict) -> Any:
         if self.lost is not None:
             raise self.lost
+        if self._closed:
+            raise RuntimeError(f"multi-process serving has stopped: engine call {method} "
+                               f"was not made")
         message = (method, [self._encode(a) for a in args],
                    {k: self._encode(v) for k, v in kwargs.items()})
         try:
@@ -164,10 +178,22 @@ class LeaderEngine:
         prefix, scores = self._call("prefill_scored", args, kwargs)
         return prefix, Later.done(scores)
 
-    def close(self) -> None:
-        """Tell the other processes to return from `follow` (unless they are gone)."""
-        if self.lost is None:
-            _broadcast(pickle.dumps((_STOP, [], {})))
+    def close(self, timeout: float = 30.0) -> bool:
+        """Tell the other processes to return from `follow` (unless they are gone), once no
+        call is under way; later calls raise. Returns False, sending nothing, when a call is
+        still under way after `timeout` seconds: the others then stop when this process's
+        exit fails the collective they wait in (a PeersLost there)."""
+        if not self._lock.acquire(timeout=timeout):
+            log.error("an engine call still runs %.0f s after serving stopped; the other "
+                      "processes are not told to stop, and stop when this one exits", timeout)
+            return False
+        try:
+            if not self._closed and self.lost is None:
+                _broadcast(pickle.dumps((_STOP, [], {})))
+            self._closed = True
+            return True
+        finally:
+            self._lock.release()
 
 
 def follow(engine: Engine) -> int:
