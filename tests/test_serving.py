@@ -59,6 +59,32 @@ def _run_pool(engine, pool, steps=8):
     return pool, got
 
 
+def test_a_calls_row_arguments_come_back_bit_for_bit_from_one_buffer():
+    """`pack_rows` puts a call's per-row host arrays in one int32 buffer (one transfer), and
+    the program takes them back out with slices and bit casts: every bit of every dtype the
+    engine packs, with 1-byte arrays of widths that do not fill a word."""
+    from k3text.inference.engine import pack_rows, unpack_rows
+
+    rng = np.random.default_rng(0)
+    rows = 3
+    floats = rng.standard_normal((rows, 7)).astype(np.float32)
+    floats[0, :5] = [np.nan, -0.0, np.inf, -np.inf, np.float32(1e-45)]
+    arrays = [rng.integers(-2**31, 2**31, (rows, 5), dtype=np.int64).astype(np.int32),
+              rng.random((rows, 6)) < 0.5, floats,
+              rng.integers(0, 2**32, (rows, 2), dtype=np.uint64).astype(np.uint32),
+              rng.integers(0, 256, (rows, 9), dtype=np.uint8), np.arange(rows, dtype=np.int32),
+              rng.integers(0, 256, (rows, 1), dtype=np.uint8), np.zeros((rows, 0), np.float32)]
+    packed, layout = pack_rows(arrays)
+    assert packed.dtype == np.int32 and packed.shape == (rows, 5 + 2 + 7 + 2 + 3 + 1 + 1)
+    back = jax.jit(unpack_rows, static_argnums=1)(packed, layout)
+    for want, got in zip(arrays, back, strict=True):
+        got = np.asarray(got)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()
+    with pytest.raises(TypeError, match="1- and 4-byte types, not int64"):
+        pack_rows([np.zeros((rows, 2), np.int64)])
+
+
 def test_the_leader_engine_broadcasts_and_refuses_a_pool_it_replaced(tiny):
     """Process 0's engine (one process here: each broadcast returns its own message) makes the
     calls it broadcasts, and refuses a call on a pool older than the latest: the followers hold
@@ -2384,7 +2410,10 @@ def test_startup_503_queue_full_429_and_sigterm_finishes_in_flight(shipped):
 
         replies = asyncio.run(burst())
         codes = [r.status_code for r in replies]
-        assert set(codes) == {200, 429} and codes.count(200) >= 2, codes
+        # At least the queue's two places were taken (by one request of 2 choices, when the
+        # whole burst arrives before the scheduler takes anything from the queue).
+        accepted = sum(n for code, n in zip(codes, choices, strict=True) if code == 200)
+        assert set(codes) == {200, 429} and accepted >= 2, codes
         assert all(len(r.json()["choices"]) == n for r, n in zip(replies, choices, strict=True)
                    if r.status_code == 200)
         metrics = server.metrics()

@@ -169,8 +169,10 @@ class Engine:
 
     def _jit_programs(self) -> None:
         """The engine's own jitted programs: a trace reads the mesh context it runs under (the
-        activation constraints), so an engine on another mesh must not reuse these traces."""
+        activation constraints), so an engine on another mesh must not reuse these traces (nor
+        the shardings `_global` keeps)."""
         cfg = self.cfg
+        self._shardings: dict[tuple, jax.sharding.NamedSharding] = {}
         bound = functools.partial
         self._prefill_chunk = jax.jit(bound(prefill_chunk_program, self.layout),
                                       donate_argnames=("prefix",))
@@ -178,14 +180,15 @@ class Engine:
                                        donate_argnames=("prefix",))
         self._prefill_scored = jax.jit(bound(scored_prefill_chunk_program, self.layout),
                                        static_argnames=("top_n",), donate_argnames=("prefix",))
-        self._insert = jax.jit(insert_program, static_argnames=("top_n",),
+        self._insert = jax.jit(packed_insert_program, static_argnames=("layout", "top_n"),
                                donate_argnames=("pool",))
         self._generate = jax.jit(bound(generate_program, cfg, self.layout),
                                  static_argnames=("max_steps", "top_n"),
                                  donate_argnames=("pool",))
         self._release = jax.jit(release_program, donate_argnames=("pool",))
-        self._decode_and_prefill = jax.jit(bound(decode_and_prefill_program, cfg, self.layout),
-                                           static_argnames=("top_n", "n_steps"),
+        self._decode_and_prefill = jax.jit(bound(packed_decode_and_prefill_program, cfg,
+                                                 self.layout),
+                                           static_argnames=("layout", "top_n", "n_steps"),
                                            donate_argnames=("pool", "prefix"))
         self._restore = jax.jit(prefix_cache.restore_program, donate_argnames=("state",))
         self._save = jax.jit(prefix_cache.save_program, donate_argnames=("store",))
@@ -199,8 +202,15 @@ class Engine:
     def _global(self, host: np.ndarray, logical: tuple) -> jax.Array:
         """A global array from a host array every process holds in full."""
         host = np.asarray(host)
-        target = self.ctx.sharding(logical)
+        target = self._shardings.get(logical)
+        if target is None:
+            target = self._shardings[logical] = self.ctx.sharding(logical)
         return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+
+    def _global_rows(self, arrays: Sequence[np.ndarray]) -> tuple[jax.Array, RowLayout]:
+        """Host arrays of one row each per batch row, as one global array (`pack_rows`)."""
+        packed, layout = pack_rows(arrays)
+        return self._global(packed, ("batch", None)), layout
 
     def _zero(self, kind: str, batch: int, shapes: Any, axes: Any) -> Any:
         make = self._zeros.get((kind, batch))
@@ -295,7 +305,7 @@ class Engine:
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             return self._prefill_chunk(self._weights, self._global(tokens, ("batch", None)),
                                        self._global(valid, ("batch", None)), prefix,
-                                       jnp.int32(start))
+                                       np.int32(start))
 
     def prefill_scored(self, prefix: Prefix, tokens: np.ndarray, valid: np.ndarray,
                        start: int, targets: np.ndarray, top_n: int,
@@ -319,7 +329,7 @@ class Engine:
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             prefix, scores = self._prefill_scored(
                 self._weights, self._global(tokens, ("batch", None)),
-                self._global(valid, ("batch", None)), prefix, jnp.int32(start),
+                self._global(valid, ("batch", None)), prefix, np.int32(start),
                 self._global(targets.astype(np.int32), ("batch", None)), top_n=top_n)
         return prefix, Later(scores, lambda out: sampling.PromptScores(*out))  # fetched by get()
 
@@ -333,7 +343,7 @@ class Engine:
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             return self._prefill_slices(self._weights, self._global(tokens, ("batch", None)),
                                         self._global(valid, ("batch", None)), prefix,
-                                        jnp.int32(start))
+                                        np.int32(start))
 
     def context_parallel(self, prompts: Sequence[Sequence[int]],
                          cache: PrefixCache | None = None) -> bool:
@@ -423,14 +433,9 @@ class Engine:
         consumed. Returns the new pool and the first tokens [P]."""
         rows = prefix.logits.shape[0]
         self._note_shape("insert", f"{rows} rows into {pool.slots.tokens.shape[0]} slots")
-        host = lambda a, dt: np.asarray(a, dt)  # noqa: E731
+        packed, layout = self._global_rows(_row_arguments(slots, limits, stop_ids, params))
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
-            pool, out = self._insert(
-                pool, prefix, self._global(host(slots, np.int32), ("batch",)),
-                self._global(host(limits, np.int32), ("batch",)),
-                self._global(host(stop_ids, np.int32), ("batch", None)),
-                jax.tree.map(lambda a, ax: self._global(a, ax), params,
-                             SLOT_AXES.sampling), top_n=top_n)
+            pool, out = self._insert(pool, prefix, packed, layout=layout, top_n=top_n)
             first, lp, top_ids, top_lps, active = _to_host(out)
         return pool, Tokens(first, lp, top_ids, top_lps, np.ones(rows, np.int32), active)
 
@@ -474,14 +479,12 @@ class Engine:
         results come to the host on `get()`. One process only, as `dispatch_generate`."""
         self._note_shape("decode + prefill", "{} slots x {} steps + {} x {} tokens".format(
             pool.slots.tokens.shape[0], n_steps, *tokens.shape))
-        host = lambda a, dt: self._global(np.asarray(a, dt), ("batch",))  # noqa: E731
+        packed, layout = self._global_rows([np.asarray(tokens, np.int32),
+                                            np.asarray(valid, bool),
+                                            *_row_arguments(slots, limits, stop_ids, params)])
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             pool, prefix, out, first, rest = self._decode_and_prefill(
-                self._weights, pool, prefix, self._global(tokens, ("batch", None)),
-                self._global(valid, ("batch", None)), jnp.int32(start), host(slots, np.int32),
-                host(limits, np.int32), self._global(np.asarray(stop_ids, np.int32),
-                                                     ("batch", None)),
-                jax.tree.map(lambda a, ax: self._global(a, ax), params, SLOT_AXES.sampling),
+                self._weights, pool, prefix, packed, np.int32(start), layout=layout,
                 top_n=top_n, n_steps=n_steps)
         rows = prefix.logits.shape[0]
 
@@ -517,7 +520,7 @@ class Engine:
         self._note_shape("prefix save", f"{entries.shape[0]} rows")
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             return self._save(store, prefix.state, self._global(entries, ("batch",)),
-                              jnp.int32(end))
+                              np.int32(end))
 
     def step(self, tokens: jax.Array, state: DecodeState, key: jax.Array,
              ) -> tuple[jax.Array, jax.Array, jax.Array, DecodeState]:
@@ -679,6 +682,67 @@ class Engine:
         return pool, Tokens(ids, lps, top_ids, top, np.ones(batch, np.int32), active)
 
 
+# ---- a call's host arguments in one transfer -----------------------------------------------
+
+class RowLayout(NamedTuple):
+    """Where each array sits in `pack_rows`'s buffer: per array its dtype's name, its shape
+    after the row axis, and its first and last word. Static (hashable): part of a program."""
+
+    fields: tuple[tuple[str, tuple[int, ...], int, int], ...]
+
+    @classmethod
+    def of(cls, arrays: Sequence[Any]) -> RowLayout:
+        """The layout of arrays (or ShapeDtypeStructs) with one leading row axis."""
+        fields, at = [], 0
+        for a in arrays:
+            itemsize = np.dtype(a.dtype).itemsize
+            if itemsize not in (1, 4):
+                raise TypeError(f"pack_rows takes 1- and 4-byte types, not {np.dtype(a.dtype)}")
+            size = int(np.prod(a.shape[1:], dtype=np.int64))
+            words = -(-size // 4) if itemsize == 1 else size
+            fields.append((np.dtype(a.dtype).name, tuple(a.shape[1:]), at, at + words))
+            at += words
+        return cls(tuple(fields))
+
+    @property
+    def words(self) -> int:
+        return self.fields[-1][3] if self.fields else 0
+
+
+def pack_rows(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, RowLayout]:
+    """Host arrays with one leading row axis as one int32 [rows, words] buffer, so a call's
+    per-row arguments reach the devices in one transfer rather than one each (each transfer
+    costs the host more than the call's own dispatch). 4-byte types keep their bits; 1-byte
+    types (uint8, bool) go four to a word, little-endian."""
+    layout = RowLayout.of(arrays)
+    rows = arrays[0].shape[0]
+    packed = np.zeros((rows, layout.words), "<i4")
+    as_bytes = packed.view(np.uint8)
+    for a, (_, _, first, last) in zip(arrays, layout.fields, strict=True):
+        flat = np.ascontiguousarray(a).reshape(rows, -1)
+        if flat.dtype.itemsize == 1:
+            as_bytes[:, 4 * first: 4 * first + flat.shape[1]] = flat.view(np.uint8)
+        else:
+            packed[:, first:last] = flat.view("<i4")
+    return packed, layout
+
+
+def unpack_rows(packed: jax.Array, layout: RowLayout) -> list[jax.Array]:
+    """`pack_rows`'s arrays back out of its buffer, on the devices (slices and bit casts)."""
+    rows, out = packed.shape[0], []
+    for dtype, tail, first, last in layout.fields:
+        words = packed[:, first:last]
+        size = int(np.prod(tail, dtype=np.int64))
+        if np.dtype(dtype).itemsize == 1:
+            shifts = jnp.arange(4, dtype=jnp.int32) * 8
+            raw = ((words[:, :, None] >> shifts) & 0xFF).reshape(rows, -1)[:, :size]
+            value = raw != 0 if dtype == "bool" else raw.astype(dtype)
+        else:
+            value = jax.lax.bitcast_convert_type(words, jnp.dtype(dtype))
+        out.append(value.reshape(rows, *tail))
+    return out
+
+
 # ---- the programs (pure; the engine jits them with its graphdef bound) -------------------------
 
 
@@ -837,6 +901,32 @@ def decode_and_prefill_program(cfg: Config, graphdef: Any, params: Any, pool: Po
         pool, rest = _decode_loop(cfg, model, pool, n_steps - 1, top_n)
     return pool, prefix, (out, lps, top_ids, top_lps, produced - s.produced, active, steps), \
         first, rest
+
+
+def _row_arguments(slots: Sequence[int], limits: Sequence[int], stop_ids: np.ndarray,
+                   params: SlotSampling) -> list[np.ndarray]:
+    """`insert`'s per-row host arguments, in the order its packed programs unpack them."""
+    return [np.asarray(slots, np.int32), np.asarray(limits, np.int32),
+            np.asarray(stop_ids, np.int32), *(np.asarray(a) for a in params)]
+
+
+def packed_insert_program(pool: Pool, prefix: Prefix, packed: jax.Array, layout: RowLayout,
+                           top_n: int) -> tuple[Pool, tuple]:
+    """`insert_program` on `_row_arguments` packed by `pack_rows`."""
+    slots, limit, stop_ids, *params = unpack_rows(packed, layout)
+    return insert_program(pool, prefix, slots, limit, stop_ids, SlotSampling(*params), top_n)
+
+
+def packed_decode_and_prefill_program(cfg: Config, graphdef: Any, params: Any, pool: Pool,
+                                       prefix: Prefix, packed: jax.Array, start: jax.Array,
+                                       layout: RowLayout, top_n: int, n_steps: int,
+                                       ) -> tuple[Pool, Prefix, tuple, tuple, tuple]:
+    """`decode_and_prefill_program` on the chunk's tokens and valid mask, then
+    `_row_arguments`, packed by `pack_rows`."""
+    tokens, valid, slots, limit, stop_ids, *rows = unpack_rows(packed, layout)
+    return decode_and_prefill_program(cfg, graphdef, params, pool, prefix, tokens, valid, start,
+                                      slots, limit, stop_ids, SlotSampling(*rows), top_n,
+                                      n_steps)
 
 
 def _first_carry(cfg: Config, slots: Slots, state: DecodeState, max_steps: int,

@@ -136,7 +136,7 @@ def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
 
     from k3text import sharding
     from k3text.inference import engine
-    from k3text.inference.sampling import SlotSampling, sampling_shapes
+    from k3text.inference.sampling import sampling_shapes
     from k3text.models.state import STATE_AXES, state_shapes
 
     def abstract(shapes: Any, axes: Any) -> Any:
@@ -157,8 +157,12 @@ def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
     graphdef = inputs["graphdef"]
     steps, top_n = cfg.serve_steps_per_call, cfg.serve_max_logprobs
     params_shapes = sampling_shapes(rows, cfg.vocab_size)
-    insert_args = (row(jnp.int32), row(jnp.int32), row(jnp.int32, engine.MAX_STOP_IDS),
-                   SlotSampling(*(row(s.dtype, *s.shape[1:]) for s in params_shapes)))
+    # The engine sends a call's per-row arguments as one packed buffer (`engine.pack_rows`).
+    insert_rows = (row(jnp.int32), row(jnp.int32), row(jnp.int32, engine.MAX_STOP_IDS),
+                   *(row(s.dtype, *s.shape[1:]) for s in params_shapes))
+    insert_layout = engine.RowLayout.of(insert_rows)
+    riding_layout = engine.RowLayout.of((row(jnp.int32, chunk), row(jnp.bool_, chunk),
+                                         *insert_rows))
     return {
         "serve prefill": (jax.jit(functools.partial(engine.prefill_chunk_program, graphdef),
                                   donate_argnums=3),
@@ -169,18 +173,19 @@ def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
                                       top_n=top_n), donate_argnums=3),
             (params, row(jnp.int32, chunk), row(jnp.bool_, chunk), prefix, inputs["start"],
              row(jnp.int32, chunk))),
-        "serve insert": (jax.jit(functools.partial(engine.insert_program, top_n=top_n),
+        "serve insert": (jax.jit(functools.partial(engine.packed_insert_program,
+                                                   layout=insert_layout, top_n=top_n),
                                  donate_argnums=0),
-                         (pool, prefix, *insert_args)),
+                         (pool, prefix, row(jnp.int32, insert_layout.words))),
         "serve generate": (jax.jit(functools.partial(engine.generate_program, cfg, graphdef,
                                                      max_steps=steps, top_n=top_n),
                                    donate_argnums=1),
                            (params, pool)),
         "serve decode + prefill": (
-            jax.jit(functools.partial(engine.decode_and_prefill_program, cfg, graphdef,
-                                      top_n=top_n, n_steps=steps), donate_argnums=(1, 2)),
-            (params, pool, prefix, row(jnp.int32, chunk), row(jnp.bool_, chunk),
-             inputs["start"], *insert_args)),
+            jax.jit(functools.partial(engine.packed_decode_and_prefill_program, cfg, graphdef,
+                                      layout=riding_layout, top_n=top_n, n_steps=steps),
+                    donate_argnums=(1, 2)),
+            (params, pool, prefix, row(jnp.int32, riding_layout.words), inputs["start"])),
     }
 
 
