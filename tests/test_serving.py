@@ -81,8 +81,15 @@ def test_a_calls_row_arguments_come_back_bit_for_bit_from_one_buffer():
         got = np.asarray(got)
         assert got.dtype == want.dtype and got.shape == want.shape
         assert got.tobytes() == want.tobytes()
+    big_endian = np.asarray([[1.5, -2.5]], ">f4")
+    assert np.asarray(unpack_rows(*pack_rows([big_endian]))[0]).tolist() == [[1.5, -2.5]]
+    empty, layout = pack_rows([np.zeros((0, 3), np.float32), np.zeros((0, 5), bool)])
+    assert empty.shape == (0, 5) and [a.shape for a in unpack_rows(empty, layout)] == [
+        (0, 3), (0, 5)]
     with pytest.raises(TypeError, match="1- and 4-byte types, not int64"):
         pack_rows([np.zeros((rows, 2), np.int64)])
+    with pytest.raises(ValueError, match=r"one row count, got \[3, 4\]"):
+        pack_rows([np.zeros((rows, 2), np.int32), np.zeros((4, 2), bool)])
 
 
 def test_the_leader_engine_broadcasts_and_refuses_a_pool_it_replaced(tiny):
@@ -122,9 +129,9 @@ def test_the_leader_engine_makes_dispatched_calls_whole(tiny, monkeypatch):
 
 def test_the_stop_never_goes_out_inside_another_threads_call(monkeypatch):
     """The server's main thread closes the leader while the scheduler's thread may still be in
-    an engine call (its drain timed out): the stop waits for that call to end, and a call
-    still under way when the wait runs out sends nothing more (the followers would read the
-    stop's bytes as that call's); calls after the stop are refused without a broadcast."""
+    an engine call (its drain timed out): the stop waits for that call to end, and if the wait
+    runs out it is not sent at all (the followers would read the stop's bytes as that call's),
+    and that call is the last; calls after a stop are refused without a broadcast."""
     import pickle
     import threading
 
@@ -136,23 +143,37 @@ def test_the_stop_never_goes_out_inside_another_threads_call(monkeypatch):
     entered, leave = threading.Event(), threading.Event()
 
     class Engine:
-        def generate(self):
-            entered.set()
-            leave.wait(timeout=30)
+        def generate(self, slow):
+            if slow:
+                entered.set()
+                leave.wait(timeout=30)
             sent.append("generate ended")
 
-    leader = LeaderEngine(Engine())
-    scheduler = threading.Thread(target=leader.generate)
+    leader = LeaderEngine(Engine())  # a call ends within the wait: the stop follows it
+    scheduler = threading.Thread(target=leader.generate, args=(True,))
+    scheduler.start()
+    assert entered.wait(timeout=30)
+    threading.Timer(0.3, leave.set).start()
+    assert leader.close(timeout=30) is True
+    assert sent == ["generate", "generate ended", multihost._STOP]
+    with pytest.raises(RuntimeError, match="serving has stopped: engine call generate"):
+        leader.generate(False)
+    assert leader.close() is True and len(sent) == 3  # sent once
+    scheduler.join(timeout=30)
+
+    sent.clear()
+    entered.clear()
+    leave.clear()
+    leader = LeaderEngine(Engine())  # the wait runs out: nothing more goes out
+    scheduler = threading.Thread(target=leader.generate, args=(True,))
     scheduler.start()
     assert entered.wait(timeout=30)
     assert leader.close(timeout=0.2) is False and sent == ["generate"]
     leave.set()
-    assert leader.close(timeout=30) is True
     scheduler.join(timeout=30)
-    assert sent == ["generate", "generate ended", multihost._STOP]
-    with pytest.raises(RuntimeError, match="serving has stopped: engine call generate"):
-        leader.generate()
-    assert leader.close() is True and sent[-1] == multihost._STOP and len(sent) == 3
+    with pytest.raises(RuntimeError, match="serving has stopped"):
+        leader.generate(False)
+    assert sent == ["generate", "generate ended"]
 
 
 def test_a_follower_goes_on_after_a_call_fails(monkeypatch):

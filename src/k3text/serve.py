@@ -163,7 +163,11 @@ def serve(cfg: Config) -> None:
         finally:  # a second signal cutting the drain short still releases the followers
             with files.uninterrupted():
                 for leader in leaders:  # after the scheduler's last engine call
-                    leader.close()
+                    if not leader.close():
+                        print("error: the scheduler is still inside an engine call after the "
+                              "drain; the other processes are not told to stop and stop when "
+                              "this one ends, now", file=sys.stderr)
+                        files.exit_now(1)
     if failure:
         raise failure[0]
     if not server.started:

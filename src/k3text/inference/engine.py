@@ -716,10 +716,15 @@ def pack_rows(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, RowLayout]:
     types (uint8, bool) go four to a word, little-endian."""
     layout = RowLayout.of(arrays)
     rows = arrays[0].shape[0]
+    if any(a.shape[0] != rows for a in arrays):
+        raise ValueError(f"pack_rows takes arrays of one row count, got "
+                         f"{[a.shape[0] for a in arrays]}")
     packed = np.zeros((rows, layout.words), "<i4")
     as_bytes = packed.view(np.uint8)
-    for a, (_, _, first, last) in zip(arrays, layout.fields, strict=True):
-        flat = np.ascontiguousarray(a).reshape(rows, -1)
+    for a, (_, tail, first, last) in zip(arrays, layout.fields, strict=True):
+        # Little-endian, as the words are read back (a no-op on every host jax runs on).
+        flat = np.ascontiguousarray(a, a.dtype.newbyteorder("<")).reshape(
+            rows, int(np.prod(tail, dtype=np.int64)))
         if flat.dtype.itemsize == 1:
             as_bytes[:, 4 * first: 4 * first + flat.shape[1]] = flat.view(np.uint8)
         else:
@@ -735,7 +740,8 @@ def unpack_rows(packed: jax.Array, layout: RowLayout) -> list[jax.Array]:
         size = int(np.prod(tail, dtype=np.int64))
         if np.dtype(dtype).itemsize == 1:
             shifts = jnp.arange(4, dtype=jnp.int32) * 8
-            raw = ((words[:, :, None] >> shifts) & 0xFF).reshape(rows, -1)[:, :size]
+            raw = ((words[:, :, None] >> shifts) & 0xFF).reshape(rows, 4 * (last - first))
+            raw = raw[:, :size]
             value = raw != 0 if dtype == "bool" else raw.astype(dtype)
         else:
             value = jax.lax.bitcast_convert_type(words, jnp.dtype(dtype))

@@ -181,11 +181,12 @@ class LeaderEngine:
     def close(self, timeout: float = 30.0) -> bool:
         """Tell the other processes to return from `follow` (unless they are gone), once no
         call is under way; later calls raise. Returns False, sending nothing, when a call is
-        still under way after `timeout` seconds: the others then stop when this process's
-        exit fails the collective they wait in (a PeersLost there)."""
+        still under way after `timeout` seconds: this process must then end at once
+        (`files.exit_now`: jax's exit handler would wait at a shutdown barrier the others,
+        inside that call's collectives, never reach), and the others stop when its end fails
+        the collective they wait in (a PeersLost there)."""
         if not self._lock.acquire(timeout=timeout):
-            log.error("an engine call still runs %.0f s after serving stopped; the other "
-                      "processes are not told to stop, and stop when this one exits", timeout)
+            self._closed = True  # the call under way is the last
             return False
         try:
             if not self._closed and self.lost is None:
