@@ -855,9 +855,10 @@ def test_a_stuck_iteration_is_reported_once_past_the_timeout(tiny):
         assert scheduler.iteration_seconds() > 5.0
         time.sleep(1.0)
         assert len(reported) == 1  # said once
+        assert scheduler.stop(wind_down=0.5) is False  # the server then exits at once
     finally:
         release.set()
-        scheduler.stop()
+        assert scheduler.stop()
     assert done[1].is_set()  # released, the stuck call finished and so did its request
 
 

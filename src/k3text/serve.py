@@ -158,16 +158,14 @@ def serve(cfg: Config) -> None:
         if loader.is_alive():
             _exit_during_start_up(sys.exc_info()[1])
         try:
-            if state.scheduler is not None:
-                state.scheduler.stop(cfg.serve_shutdown_timeout)
+            if state.scheduler is not None and not state.scheduler.stop(
+                    cfg.serve_shutdown_timeout):
+                _exit_stuck_at_stop()
         finally:  # a second signal cutting the drain short still releases the followers
             with files.uninterrupted():
                 for leader in leaders:  # after the scheduler's last engine call
                     if not leader.close():
-                        print("error: the scheduler is still inside an engine call after the "
-                              "drain; the other processes are not told to stop and stop when "
-                              "this one ends, now", file=sys.stderr)
-                        files.exit_now(1)
+                        _exit_stuck_at_stop()
     if failure:
         raise failure[0]
     if not server.started:
@@ -215,6 +213,16 @@ def _exit_stuck(seconds: float) -> None:
     print(f"error: a scheduler iteration has run {seconds:.0f} s, past "
           f"serve_iteration_timeout: a device, or another process of this job, is stuck; "
           f"the server exits", file=sys.stderr)
+    files.exit_now(1)
+
+
+def _exit_stuck_at_stop() -> None:
+    """The drain is over but the scheduler thread is still inside a device call (or, with
+    several processes, its collectives): finalising the interpreter underneath it would crash
+    or wait at jax.distributed's shutdown barrier for peers inside that call. The process ends
+    at once with status 1; the other processes stop when their collectives fail."""
+    print("error: the scheduler is still inside a device call after the drain; the server "
+          "exits without waiting for it", file=sys.stderr)
     files.exit_now(1)
 
 

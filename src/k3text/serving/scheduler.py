@@ -318,9 +318,11 @@ class Scheduler:
                     self.on_stuck(seconds)
                 return
 
-    def stop(self, timeout: float = 0.0) -> None:
+    def stop(self, timeout: float = 0.0, wind_down: float = 60.0) -> bool:
         """Stop admitting, let in-flight requests finish for up to `timeout` seconds, then have
-        the scheduler thread cancel what is left and end."""
+        the scheduler thread cancel what is left and end. Returns whether it ended within
+        `wind_down` seconds more; if not, it is inside a device call that does not return,
+        which no one can interrupt."""
         self.stop_accepting()
         deadline = time.monotonic() + timeout
         while self.busy() and time.monotonic() < deadline:
@@ -329,7 +331,9 @@ class Scheduler:
             self._stopping = True
             self._cv.notify()
         if self._thread is not None:
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=wind_down)
+            return not self._thread.is_alive()
+        return True
 
     # ---- the scheduler thread -------------------------------------------------------------
 
