@@ -208,7 +208,7 @@ class Engine:
         return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
 
     def _global_rows(self, arrays: Sequence[np.ndarray]) -> tuple[jax.Array, RowLayout]:
-        """Host arrays of one row each per batch row, as one global array (`pack_rows`)."""
+        """Host arrays with a leading batch-row axis, as one global array (`pack_rows`)."""
         packed, layout = pack_rows(arrays)
         return self._global(packed, ("batch", None)), layout
 
@@ -711,9 +711,9 @@ class RowLayout(NamedTuple):
 
 def pack_rows(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, RowLayout]:
     """Host arrays with one leading row axis as one int32 [rows, words] buffer, so a call's
-    per-row arguments reach the devices in one transfer rather than one each (each transfer
-    costs the host more than the call's own dispatch). 4-byte types keep their bits; 1-byte
-    types (uint8, bool) go four to a word, little-endian."""
+    per-row arguments reach the devices in one transfer rather than one each (a riding call's
+    17 transfers cost the host more than the call's own dispatch). 4-byte types keep their
+    bits; 1-byte types (uint8, bool) go four to a word, little-endian."""
     layout = RowLayout.of(arrays)
     rows = arrays[0].shape[0]
     if any(a.shape[0] != rows for a in arrays):
