@@ -226,15 +226,23 @@ def test_a_peer_that_is_gone_stops_both_sides_of_the_broadcast(tiny, monkeypatch
             raise gone
         return payload
 
+    def on_lost(error):  # told outside the call's lock: closing from here does not wait
+        lost.append(error)
+        started = time.monotonic()
+        closed.append(leader.close(timeout=5))
+        closed.append(time.monotonic() - started)
+
+    closed = []
     monkeypatch.setattr(multihost, "_broadcast", broadcast)
-    leader = LeaderEngine(engine, on_lost=lost.append)
+    leader = LeaderEngine(engine, on_lost=on_lost)
     pool = leader.new_pool(2)
     with pytest.raises(multihost.PeersLost, match="engine call release: another process"):
         leader.release(pool, [0])
     with pytest.raises(multihost.PeersLost):
         leader.new_pool(2)
-    leader.close()
+    assert leader.close()
     assert sent == ["new_pool", "release"] and len(lost) == 1 and lost[0] is leader.lost
+    assert closed[0] is True and closed[1] < 1  # nothing sent: the others are gone
     assert "Connection reset by peer" in str(lost[0])
 
     def follower_side(error):

@@ -109,7 +109,8 @@ def _returned(result: Any) -> list[tuple[str, Any]]:
 class LeaderEngine:
     """Process 0's engine: each program-running call is broadcast, then made; everything else
     (the config, `stop_ids`, ...) is the engine's own. Once a call finds a peer gone, every
-    call raises the same PeersLost at once, and `on_lost` is told (the server then stops).
+    call raises the same PeersLost at once, and `on_lost` is told, once, after the lock below
+    is released (so it may close the engine; the server then stops).
 
     A call and `close` hold one lock from the broadcast to the call's end, so the stop never
     goes out between another thread's broadcast and its call (the followers would take the
@@ -139,7 +140,15 @@ class LeaderEngine:
 
     def _call(self, method: str, args: tuple, kwargs: dict) -> Any:
         with self._lock:
-            return self._locked_call(method, args, kwargs)
+            seen = self.lost
+            try:
+                return self._locked_call(method, args, kwargs)
+            except PeersLost:
+                if seen is not None or self.lost is None:
+                    raise
+        # Told outside the lock, once: `on_lost` may close this engine (or call it, to raise).
+        self._on_lost(self.lost)
+        raise self.lost
 
     def _locked_call(self, method: str, args: tuple, kwargs: dict) -> Any:
         if self.lost is not None:
@@ -157,7 +166,6 @@ class LeaderEngine:
                     ) is None:
                 raise
             self.lost = lost
-            self._on_lost(lost)
             raise lost from e
         self._latest.update(_returned(result))
         return result
