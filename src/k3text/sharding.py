@@ -113,6 +113,17 @@ def maybe_initialize_distributed(cfg: Config) -> None:
                       num_processes=cfg.num_processes or None,
                       process_id=None if cfg.process_id < 0 else cfg.process_id)
     jax.distributed.initialize(**kwargs)
+    # The processes' collectives meet only when every process runs a program compiled from the
+    # same module, its locations included (so on jaxlib 0.12.1: a difference in locations alone
+    # leaves the processes waiting on each other for ever). Two things would make them differ:
+    # - full tracebacks: a location would carry the call stack that traced the op, and process 0
+    #   of a server runs its engine from a scheduler thread, the others from their main thread;
+    #   the tracing frame alone is the same in every process;
+    # - the persistent compilation cache, whose key leaves locations out: process 0 could load a
+    #   program compiled from other locations (another version of the code, a one-process run)
+    #   while the others compile theirs.
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
+    jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
     log.info("jax.distributed: process %d of %d, %d local / %d global devices",
              jax.process_index(), jax.process_count(), jax.local_device_count(),
              jax.device_count())
