@@ -113,9 +113,9 @@ def maybe_initialize_distributed(cfg: Config) -> None:
                       num_processes=cfg.num_processes or None,
                       process_id=None if cfg.process_id < 0 else cfg.process_id)
     jax.distributed.initialize(**kwargs)
-    # The processes' collectives meet only when every process runs a program compiled from the
-    # same module, its locations included (so on jaxlib 0.12.1: a difference in locations alone
-    # leaves the processes waiting on each other for ever). Two things would make them differ:
+    # On jaxlib 0.12.1 the processes' collectives meet only when every process runs a program
+    # compiled from the same module, its locations included: a difference in locations alone
+    # leaves the processes waiting on each other for ever. Two things would make them differ:
     # - full tracebacks: a location would carry the call stack that traced the op, and process 0
     #   of a server runs its engine from a scheduler thread, the others from their main thread;
     #   the tracing frame alone is the same in every process;
