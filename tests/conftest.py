@@ -40,7 +40,7 @@ jax.config.update("jax_compilation_cache_max_size", 16 * 2**30)
 
 # The settings that change what a program compiles to, or what the compilation cache keys and
 # keeps (k3text sets some of them: sharding.maybe_initialize_distributed, enable_compilation_cache).
-_PROCESS_WIDE = ("jax_default_matmul_precision", "jax_enable_x64",
+_PROCESS_WIDE = ("jax_default_matmul_precision", "jax_enable_x64", "jax_enable_compilation_cache",
                  "jax_include_full_tracebacks_in_locations",
                  "jax_compilation_cache_include_metadata_in_key", "jax_compilation_cache_dir",
                  "jax_persistent_cache_min_compile_time_secs",

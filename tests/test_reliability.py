@@ -411,8 +411,9 @@ def test_distributed_keys_left_unset_are_read_from_the_environment(monkeypatch):
     """With a coordinator address, `num_processes` 0 and `process_id` -1 reach
     `jax.distributed.initialize` as None (its "detect from the environment"), not as values it
     rejects; a process index past the job's size is a config error. Every initialised process
-    traces with short locations and keys its compilation cache by them (sharding.py says why);
-    the settings are recorded here, not applied, since they would outlive this test."""
+    traces with short locations and keys its compilation cache by them, and on the CPU compiles
+    without the cache (sharding.py says why); the settings are recorded here, not applied, since
+    they would outlive this test."""
     calls, settings = [], {}
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(jax.config, "update", lambda name, value: settings.update({name: value}))
@@ -426,7 +427,8 @@ def test_distributed_keys_left_unset_are_read_from_the_environment(monkeypatch):
     sharding.maybe_initialize_distributed(load_config(CPU, job[:1] + job[2:]))
     assert calls[-1] == {}
     assert settings == {"jax_include_full_tracebacks_in_locations": False,
-                        "jax_compilation_cache_include_metadata_in_key": True}
+                        "jax_compilation_cache_include_metadata_in_key": True,
+                        "jax_enable_compilation_cache": False}  # on the CPU
     with pytest.raises(ConfigError, match=r"'process_id' \(4\) must be below num_processes "
                                           r"\(4\)"):
         load_config(CPU, ["num_processes=4", "process_id=4"])

@@ -124,6 +124,13 @@ def maybe_initialize_distributed(cfg: Config) -> None:
     #   while the others compile theirs.
     jax.config.update("jax_include_full_tracebacks_in_locations", False)
     jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
+    # On the CPU the persistent cache serves process 0 alone: its key hashes the devices'
+    # topology as each process sees it, and only process 0 writes. So the others compile every
+    # program while process 0 loads its own, and on jaxlib 0.12.1 a loaded program never meets
+    # a freshly compiled one in their collectives, even from the same module. Every process
+    # compiles, then, as the others have to anyway.
+    if jax.default_backend() == "cpu":
+        jax.config.update("jax_enable_compilation_cache", False)
     log.info("jax.distributed: process %d of %d, %d local / %d global devices",
              jax.process_index(), jax.process_count(), jax.local_device_count(),
              jax.device_count())
