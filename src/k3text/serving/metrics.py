@@ -3,7 +3,17 @@ servers in one process (tests) never share counts."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import gc
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0)
@@ -57,6 +67,13 @@ class Metrics:
         self.prefix_cached_blocks = Gauge("k3text_prefix_cache_blocks", "Blocks cached",
                                           registry=r)
         self.slots_total.set(slots)
+        # The process's own: CPU seconds, resident memory, open files (process_*), and Python's
+        # garbage collections by generation (python_gc_*), as every Python server exports them.
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
+        Gauge("k3text_gc_frozen_objects", "Objects exempt from Python's garbage collector: the "
+              "heap as loaded, frozen once the programs are compiled", registry=r,
+              ).set_function(gc.get_freeze_count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
