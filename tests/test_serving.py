@@ -1719,7 +1719,7 @@ def test_the_heap_as_loaded_is_frozen_out_of_garbage_collection(shipped):
     heap is frozen once the programs are compiled, so none of them stalls the scheduler."""
     server, _, _ = shipped
     metrics = server.metrics()
-    # jax, the model and the compiled programs: well over 10^5 objects (1.4 million loaded).
+    # jax, the model and the compiled programs: about a million objects.
     assert metrics["k3text_gc_frozen_objects"] > 100_000, metrics["k3text_gc_frozen_objects"]
     assert metrics["process_resident_memory_bytes"] > 0
     assert 'python_gc_collections_total{generation="2"}' in metrics
