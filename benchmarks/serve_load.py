@@ -45,8 +45,10 @@ median-TTFT ratio; writes prefix_cache.jsonl and prefix_cache.csv to --out.
 
 Prints the table and the three ratios the serving issue set (saturation tokens/s vs the
 offline loop, TPOT p50 with all slots busy vs the offline per-step time, continuous vs static
-batching); writes serve_load.jsonl (line 1 the machine), serve_load.csv and serve_load.png to
---out (default benchmarks/results/serve_load/). Flags, configs and the output files are checked
+batching), and at saturation how many cores the server's threads kept busy and the host's share
+of that CPU time (its HTTP, scheduler and Python threads against XLA:CPU's, from /proc);
+writes serve_load.jsonl (line 1 the machine), serve_load.csv and serve_load.png to --out
+(default benchmarks/results/serve_load/). Flags, configs and the output files are checked
 before anything runs: existing results are replaced only with --force. The servers it starts are
 stopped on every way out (an error, Ctrl-C, SIGTERM). Ctrl-C writes the rows measured so far
 (the Poisson rates and the rounds completed; the header says `"interrupted": true`) and exits
@@ -59,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import signal
@@ -81,8 +84,8 @@ FIELDS = ("mode", "round", "rate_rps", "concurrency", "requests", "output_tokens
           "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms",
           "tpot_p90_ms", "tpot_p99_ms", "saturated_tokens_per_s", "saturated_seconds",
           "server_ms_per_step", "decode_share", "prefill_share",
-          "slot_occupancy", "prefill_s", "decode_s", "ceiling", "prefill_steps_per_prompt",
-          "prefill_ceiling")
+          "slot_occupancy", "server_cores", "host_cpu_share", "prefill_s", "decode_s", "ceiling",
+          "prefill_steps_per_prompt", "prefill_ceiling")
 # A 256-position cache: room for the long answers after a 64-token prompt.
 DEFAULT_OVERRIDES = ["per_device_batch_size=8", "max_target_length=256", "progress=false"]
 
@@ -247,10 +250,34 @@ def server_counters(url: str) -> dict[str, float]:
     return values
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds process `pid`'s threads have run, split into XLA:CPU's (its worker and
+    execution threads, named `tf_XLA...`) and the host's (every other: HTTP, the scheduler,
+    Python's own), read from /proc; {} where there is none."""
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds = {"xla": 0.0, "host": 0.0}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return {}
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1: stat.rindex(")")], stat[stat.rindex(")") + 2:]
+        user, system = (int(x) for x in rest.split()[11:13])  # utime, stime (fields 14, 15)
+        seconds["xla" if name.startswith("tf_XLA") else "host"] += (user + system) / tick
+    return seconds
+
+
 async def closed_loop(url: str, model: str, requests: list[dict], concurrency: int,
-                      slots: int) -> dict[str, Any]:
+                      slots: int, pid: int | None = None) -> dict[str, Any]:
+    """`requests` from `concurrency` clients, each sending its next when the last one ends;
+    `pid`: the server's process, whose threads' CPU time the row reports."""
     queue = list(reversed(requests))
     results: list[dict] = []
+    cpu_before = thread_cpu(pid) if pid is not None else {}
     before = server_counters(url)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         start = time.perf_counter()
@@ -262,6 +289,7 @@ async def closed_loop(url: str, model: str, requests: list[dict], concurrency: i
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     seconds = time.perf_counter() - start
     after = server_counters(url)
+    cpu = {k: v - cpu_before[k] for k, v in thread_cpu(pid).items()} if cpu_before else {}
     delta = {k: after[k] - before[k] for k in after}
     # Where the server's time went: its own per-step time, the shares spent in decode calls
     # and in separate prefill calls, and how full its slots were (output tokens per slot per
@@ -279,7 +307,11 @@ async def closed_loop(url: str, model: str, requests: list[dict], concurrency: i
                     server_ms_per_step=1e3 * delta["k3text_decode_seconds_total"] / steps,
                     decode_share=delta["k3text_decode_seconds_total"] / seconds,
                     prefill_share=delta["k3text_prefill_seconds_total"] / seconds,
-                    slot_occupancy=tokens / (steps * slots))
+                    slot_occupancy=tokens / (steps * slots),
+                    # Cores the server kept busy, and the host's share of them: on a CPU the
+                    # host's threads take cores from XLA:CPU's workers (None without /proc).
+                    server_cores=sum(cpu.values()) / seconds if cpu else None,
+                    host_cpu_share=cpu["host"] / sum(cpu.values()) if cpu else None)
 
 
 # ---- shared prefixes: the prefix cache off and on ---------------------------------------------
@@ -664,7 +696,8 @@ def load_test(args: argparse.Namespace) -> str:
             steady = offline.steady()
             runs = [server, baseline] if baseline and i % 2 else [baseline, server]
             for run in filter(None, runs):
-                result = asyncio.run(closed_loop(run.url, model, requests, concurrency, slots))
+                result = asyncio.run(closed_loop(run.url, model, requests, concurrency, slots,
+                                                 run.proc.pid))
                 if run is server:
                     saturated = result
                 else:
@@ -725,6 +758,7 @@ def load_test(args: argparse.Namespace) -> str:
     saturated = [r for r in rows if r["mode"] == "fixed concurrency"]
     share = {k: float(np.median([r[k] for r in saturated]))
              for k in ("decode_share", "prefill_share", "slot_occupancy")}
+    cores = [r for r in saturated if r.get("server_cores") is not None]
     print(f"median of {len(rounds)} rounds, {args.workload} workload:")
     print(f"saturation vs offline steady-state decode: {show('saturation')} (target >= 0.8; "
           f"while at least {slots} requests were outstanding)")
@@ -741,6 +775,11 @@ def load_test(args: argparse.Namespace) -> str:
     print(f"the server's own decode step at saturation vs offline's: {show('server_step')}; "
           f"its time {share['decode_share']:.0%} in decode calls, {share['prefill_share']:.0%} "
           f"in separate prefill calls; slots {share['slot_occupancy']:.0%} full")
+    if cores:
+        print(f"  its threads kept {np.median([r['server_cores'] for r in cores]):.2f} cores "
+              f"busy, {np.median([r['host_cpu_share'] for r in cores]):.0%} of that CPU time "
+              f"the host's (HTTP, scheduler, Python) and the rest XLA:CPU's ({os.cpu_count()} "
+              f"cores here, the client's on them too)")
     print(f"continuous vs static batching: {show('continuous')} (target >= 1.5)")
     if baseline:
         print(f"vs the baseline server ({' '.join(baseline_overrides)}) at saturation: tokens/s "

@@ -223,6 +223,11 @@ def test_serve_load_prints_the_targets_and_keeps_whole_rounds_on_ctrl_c(tmp_path
     for target in ("saturation vs offline steady-state decode", "ceiling for this workload",
                    "TPOT p50, all slots busy", "continuous vs static batching"):
         assert target in stdout, stdout
+    # The server's threads' CPU time from /proc: busy cores, part of it the host's.
+    saturated = rows[1]
+    assert 0.1 < saturated["server_cores"] <= os.cpu_count() + 0.5, saturated
+    assert 0 < saturated["host_cpu_share"] < 1, saturated
+    assert "cores busy" in stdout, stdout
 
 
 def test_serve_load_shared_prefix_keeps_the_cache_off_rows_on_ctrl_c(tmp_path, monkeypatch,
