@@ -25,8 +25,10 @@ Sections (all by default):
   (product diagonals) and without (pairwise diagonals, Kimi Linear's path), fla-core's
   `naive_chunk_kda` (torch), tokamax's `kimi_delta_attention` `xla` (its token-by-token
   recurrence) and `xla_chunked` (jit; K3's gate fused in, the only gate `xla_chunked` takes);
-  B=1 at T = 256 ... 16384 and B=8 at T = 4096 (H=4, K=V=128). Compile excluded; medians; the
-  max |difference| from the recurrence is printed as a check. A second table gives the achieved
+  B=1 at T = 256 ... 16384 and B=8 at T = 4096 (H=4, K=V=128). Compile excluded; medians, and
+  in brackets the ratio of the fastest runs (XLA:CPU runs the chunked form's threaded products
+  in fast and slow phases that last seconds: benchmarks/README.md); the max |difference| from
+  the recurrence is printed as a check. A second table gives the achieved
   FLOP rate of the forms whose work is counted (`kda_flops`) beside the rate of a 2048^3 float32
   matmul measured in the same process.
 - loop: the tiny K3 (configs/models/k3-tiny.yml) at batch 1: the whole decode loop jitted
@@ -99,6 +101,10 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, out
+
+
+def round_trip_text(ns: float | None) -> str:
+    return "-" if ns is None else f"{ns:.0f} ns"
 
 
 def ratio(a: float, b: float) -> str:
@@ -401,8 +407,11 @@ def kda_section(quick: bool) -> list[Row]:
         tensors = [torch.from_numpy(inputs[a]) for a in KDA_FORMS["fla_naive_chunk"]]
         forms["fla_naive_chunk"] = lambda x=tensors: naive.naive_chunk_kda(
             *x, scale=1.0, chunk_size=64)[0]
-        results = interleaved({name: lambda fn=fn: timed(fn) for name, fn in forms.items()},
+        results = interleaved({"core_round_trip": benchlib.core_round_trip_ns,
+                               **{name: lambda fn=fn: timed(fn) for name, fn in forms.items()}},
                               repeats)
+        trips = [ns for ns in results["core_round_trip"] if ns is not None]
+        round_trip = benchlib.median(trips) if trips else None
         reference = np.asarray(results["recurrent"][0][1])
         for name in KDA_FORMS:
             runs = results[name]
@@ -410,6 +419,8 @@ def kda_section(quick: bool) -> list[Row]:
             rate = flops.get(name) and flops[name] / seconds
             rows.append({"section": "kda", "form": name, "batch": b, "T": t,
                          "heads": KDA_HEADS, "head_dim": KDA_HEAD_DIM, "ms": seconds * 1e3,
+                         "fastest_ms": min(s for s, _ in runs) * 1e3,
+                         "core_round_trip_ns": round_trip,
                          "tokens_per_s": b * t / seconds,
                          "gflop": flops.get(name) and flops[name] / 1e9,
                          "gflop_per_s": rate and rate / 1e9,
@@ -420,14 +431,19 @@ def kda_section(quick: bool) -> list[Row]:
     by = {(r["form"], r["batch"], r["T"]): r for r in rows}
     others = [f for f in KDA_FORMS if f != "recurrent"]
     print(table(["B", "T", *(f"{f} ms" for f in KDA_FORMS),
-                 *(f"recurrent / {f}" for f in others), "max |diff|"],
+                 *(f"recurrent / {f}" for f in others), "max |diff|", "core round trip"],
                 [[str(b), str(t), *(f"{by[f, b, t]['ms']:.2f}" for f in KDA_FORMS),
-                  *(ratio(by["recurrent", b, t]["ms"], by[f, b, t]["ms"]) for f in others),
-                  f"{max(by[f, b, t]['max_abs_diff_vs_recurrent'] for f in KDA_FORMS):.1e}"]
+                  *(f"{ratio(by['recurrent', b, t]['ms'], by[f, b, t]['ms'])} ("
+                    f"{ratio(by['recurrent', b, t]['fastest_ms'], by[f, b, t]['fastest_ms'])})"
+                    for f in others),
+                  f"{max(by[f, b, t]['max_abs_diff_vs_recurrent'] for f in KDA_FORMS):.1e}",
+                  round_trip_text(by["recurrent", b, t]["core_round_trip_ns"])]
                  for b, t in cases],
                 title=f"(b) KDA prefill, H={KDA_HEADS} K=V={KDA_HEAD_DIM}, fp32, K3's gate "
-                      f"(lower bound {KDA_LOWER_BOUND}); speed-ups over the per-token recurrence; "
-                      f"jit compile excluded"))
+                      f"(lower bound {KDA_LOWER_BOUND}); speed-ups over the per-token recurrence, "
+                      f"of the median run (of the fastest run); jit compile excluded; the "
+                      f"cores' round trip (benchlib.core_round_trip_ns) is the median of the "
+                      f"rounds'"))
     xla_forms = [f for f in KDA_FORMS if f != "fla_naive_chunk"]
     print(table(["B", "T", *(f"{f} GFLOP/s" for f in xla_forms)],
                 [[str(b), str(t), *(

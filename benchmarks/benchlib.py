@@ -16,6 +16,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,7 @@ def machine(**extra: Any) -> dict[str, Any]:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),  # e.g. jemalloc (README: serving)
         "commit": _commit(),
+        "core_round_trip_ns": core_round_trip_ns(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         **extra,
     }
@@ -106,9 +108,89 @@ def machine_line(m: Mapping[str, Any]) -> str:
     """One line for plot footers and printed reports."""
     fake = " (fake CPU devices)" if m["fake_cpu_devices"] else ""
     preload = f" | preloaded {Path(m['ld_preload']).name}" if m.get("ld_preload") else ""
-    return (f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB | {m['backend']} x "
+    trip = m.get("core_round_trip_ns")
+    trip = f" | core round trip {trip:.0f} ns" if trip is not None else ""
+    return (f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB{trip} | {m['backend']} x "
             f"{m['devices']}{fake} | jax {m['jax']} / jaxlib {m['jaxlib']}{preload} | "
             f"{m['date']}")
+
+
+# The echoing side of `core_round_trip_ns`, run as its own interpreter (a fork of a process
+# that has started XLA's threads is unsafe): pinned to one CPU, it answers each odd byte the
+# other side writes into the shared page with the next even one.
+_ECHO = """
+import mmap, os, sys
+path, rounds, cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.sched_setaffinity(0, {cpu})
+with open(path, "r+b") as f:
+    buf = mmap.mmap(f.fileno(), 64)
+buf[1] = 1
+for i in range(rounds):
+    want = (2 * i + 1) & 255
+    while buf[0] != want:
+        pass
+    buf[0] = (want + 1) & 255
+buf.close()
+"""
+
+
+def core_round_trip_ns(rounds: int = 20_000, timeout_s: float = 10.0) -> float | None:
+    """Nanoseconds for one write to travel from this process's first CPU to its second and an
+    answer back (two Python processes, each pinned, spinning on a shared byte); None with fewer
+    than two CPUs or no CPU pinning.
+
+    A measure of how far apart the host placed this machine's two cores, which it changes while
+    a benchmark runs: where they share a cache the round trip is short, and XLA:CPU's programs
+    that hand small buffers between its threads (the chunked KDA form, the server's steps) run
+    at their best; where they do not it grows (about 280 against 500 ns on the machine
+    benchmarks/README.md describes) and those programs slow by up to 2.4x. Benchmarks record it
+    beside their timings so a slow run can be told from a slow machine."""
+    import mmap
+    import tempfile
+
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+    if len(cpus) < 2:
+        return None
+    shm = Path("/dev/shm")
+    fd, path = tempfile.mkstemp(prefix="k3text-round-trip-", dir=shm if shm.is_dir() else None)
+    os.ftruncate(fd, 64)
+    buf = mmap.mmap(fd, 64)
+    os.close(fd)
+    saved = os.sched_getaffinity(0)
+    echo = None
+    try:
+        echo = subprocess.Popen([sys.executable, "-c", _ECHO, path, str(rounds), str(cpus[1])])
+        os.sched_setaffinity(0, {cpus[0]})
+        deadline = time.monotonic() + timeout_s
+        while buf[1] != 1:  # the echo is up
+            if echo.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("core_round_trip_ns: the echoing process did not start")
+            time.sleep(0.001)
+        start = 0.0
+        for i in range(rounds):
+            if i == rounds // 2:  # time the second half, both sides long since spinning
+                start = time.perf_counter()
+            want = (2 * i + 1) & 255
+            buf[0] = want
+            answer = (want + 1) & 255
+            spins = 0
+            while buf[0] != answer:
+                spins += 1
+                if spins & 0xFFFFF == 0 and (echo.poll() is not None
+                                             or time.monotonic() > deadline):
+                    raise RuntimeError("core_round_trip_ns: the echoing process stopped answering")
+        return (time.perf_counter() - start) / (rounds - rounds // 2) * 1e9
+    finally:
+        os.sched_setaffinity(0, saved)
+        if echo is not None:
+            if echo.poll() is None:
+                echo.kill()
+            echo.wait()
+        buf.close()
+        os.unlink(path)
 
 
 def rss_mib() -> float | None:

@@ -46,9 +46,11 @@ median-TTFT ratio; writes prefix_cache.jsonl and prefix_cache.csv to --out.
 Prints the table and the three ratios the serving issue set (saturation tokens/s vs the
 offline loop, TPOT p50 with all slots busy vs the offline per-step time, continuous vs static
 batching), and at saturation how many cores the server's threads kept busy and the host's share
-of that CPU time (its HTTP, scheduler and Python threads against XLA:CPU's, from /proc);
-writes serve_load.jsonl (line 1 the machine), serve_load.csv and serve_load.png to --out
-(default benchmarks/results/serve_load/). Flags, configs and the output files are checked
+of that CPU time (its HTTP, scheduler and Python threads against XLA:CPU's, from /proc), the
+cores the load generator itself kept busy (`client_cores`), and the range of the cores' round
+trip probed before each run (`core_round_trip_ns`, benchlib.core_round_trip_ns); writes
+serve_load.jsonl (line 1 the machine), serve_load.csv and serve_load.png to --out (default
+benchmarks/results/serve_load/). Flags, configs and the output files are checked
 before anything runs: existing results are replaced only with --force. The servers it starts are
 stopped on every way out (an error, Ctrl-C, SIGTERM). Ctrl-C writes the rows measured so far
 (the Poisson rates and the rounds completed; the header says `"interrupted": true`) and exits
@@ -69,6 +71,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +87,9 @@ FIELDS = ("mode", "round", "rate_rps", "concurrency", "requests", "output_tokens
           "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms",
           "tpot_p90_ms", "tpot_p99_ms", "saturated_tokens_per_s", "saturated_seconds",
           "server_ms_per_step", "decode_share", "prefill_share",
-          "slot_occupancy", "server_cores", "host_cpu_share", "prefill_s", "decode_s", "ceiling",
-          "prefill_steps_per_prompt", "prefill_ceiling")
+          "slot_occupancy", "server_cores", "host_cpu_share", "client_cores",
+          "core_round_trip_ns", "prefill_s", "decode_s", "ceiling", "prefill_steps_per_prompt",
+          "prefill_ceiling")
 # A 256-position cache: room for the long answers after a 64-token prompt.
 DEFAULT_OVERRIDES = ["per_device_batch_size=8", "max_target_length=256", "progress=false"]
 
@@ -271,6 +275,17 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return seconds
 
 
+def probed(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`run()`'s row, with the cores' round trip measured just before it."""
+    trip = benchlib.core_round_trip_ns()
+    return run() | {"core_round_trip_ns": trip}
+
+
+def round_trips_text(rows: list[dict[str, Any]]) -> str:
+    trips = [r.get("core_round_trip_ns") for r in rows]
+    return "-" if None in trips else " / ".join(f"{t:.0f}" for t in trips) + " ns"
+
+
 async def closed_loop(url: str, model: str, requests: list[dict], concurrency: int,
                       slots: int, pid: int | None = None) -> dict[str, Any]:
     """`requests` from `concurrency` clients, each sending its next when the last one ends;
@@ -278,6 +293,7 @@ async def closed_loop(url: str, model: str, requests: list[dict], concurrency: i
     queue = list(reversed(requests))
     results: list[dict] = []
     cpu_before = thread_cpu(pid) if pid is not None else {}
+    client_before = time.process_time()
     before = server_counters(url)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         start = time.perf_counter()
@@ -288,6 +304,7 @@ async def closed_loop(url: str, model: str, requests: list[dict], concurrency: i
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     seconds = time.perf_counter() - start
+    client_seconds = time.process_time() - client_before
     after = server_counters(url)
     cpu = {k: v - cpu_before[k] for k, v in thread_cpu(pid).items()} if cpu_before else {}
     delta = {k: after[k] - before[k] for k in after}
@@ -311,7 +328,9 @@ async def closed_loop(url: str, model: str, requests: list[dict], concurrency: i
                     # Cores the server kept busy, and the host's share of them: on a CPU the
                     # host's threads take cores from XLA:CPU's workers (None without /proc).
                     server_cores=sum(cpu.values()) / seconds if cpu else None,
-                    host_cpu_share=cpu["host"] / sum(cpu.values()) if cpu else None)
+                    host_cpu_share=cpu["host"] / sum(cpu.values()) if cpu else None,
+                    # The load generator's own (this process's) cores, on the same machine.
+                    client_cores=client_seconds / seconds)
 
 
 # ---- shared prefixes: the prefix cache off and on ---------------------------------------------
@@ -692,18 +711,21 @@ def load_test(args: argparse.Namespace) -> str:
                   file=sys.stderr)
         # Saturation and the offline baselines, interleaved: this machine's speed drifts by up
         # to 2x over minutes, so each round's ratios come from runs seconds apart.
+        # Each run also records the cores' round trip just before it (`core_round_trip_ns`):
+        # the host moves this machine's two cores apart and back, which slows every program
+        # here that hands data between threads.
         for i in range(args.rounds):
-            steady = offline.steady()
+            steady = probed(offline.steady)
             runs = [server, baseline] if baseline and i % 2 else [baseline, server]
             for run in filter(None, runs):
-                result = asyncio.run(closed_loop(run.url, model, requests, concurrency, slots,
-                                                 run.proc.pid))
+                result = probed(lambda run=run: asyncio.run(closed_loop(
+                    run.url, model, requests, concurrency, slots, run.proc.pid)))
                 if run is server:
                     saturated = result
                 else:
                     base = result
                     base["mode"] = baseline_mode
-            static = offline.static()
+            static = probed(offline.static)
             ceiling = offline.prefill_ceiling(steady)
             saturated["prefill_ceiling"] = ceiling["ceiling"]
             steady.update(ceiling)
@@ -719,8 +741,9 @@ def load_test(args: argparse.Namespace) -> str:
             # A round counts once it is whole: Ctrl-C keeps the rounds completed.
             rows += [saturated, steady, static, *([base] if baseline else [])]
             rounds.append(this_round)
-            print(f"round {i + 1}: " + ", ".join(f"{k} {v:.2f}x" for k, v in this_round.items()),
-                  file=sys.stderr)
+            print(f"round {i + 1}: " + ", ".join(f"{k} {v:.2f}x" for k, v in this_round.items())
+                  + f"; the cores' round trip {round_trips_text([saturated, steady])} "
+                  f"(server, offline)", file=sys.stderr)
     except KeyboardInterrupt:
         if not rows:
             raise
@@ -778,8 +801,14 @@ def load_test(args: argparse.Namespace) -> str:
     if cores:
         print(f"  its threads kept {np.median([r['server_cores'] for r in cores]):.2f} cores "
               f"busy, {np.median([r['host_cpu_share'] for r in cores]):.0%} of that CPU time "
-              f"the host's (HTTP, scheduler, Python) and the rest XLA:CPU's ({os.cpu_count()} "
-              f"cores here, the client's on them too)")
+              f"the host's (HTTP, scheduler, Python) and the rest XLA:CPU's; the load "
+              f"generator kept {np.median([r['client_cores'] for r in cores]):.2f} cores busy "
+              f"({os.cpu_count()} cores here)")
+    trips = [r["core_round_trip_ns"] for r in rows if r.get("core_round_trip_ns") is not None]
+    if trips:
+        print(f"  the cores' round trip before each run: {min(trips):.0f}-{max(trips):.0f} ns "
+              f"(benchlib.core_round_trip_ns; benchmarks/README.md: how far apart the host "
+              f"placed the two cores, and what that costs)")
     print(f"continuous vs static batching: {show('continuous')} (target >= 1.5)")
     if baseline:
         print(f"vs the baseline server ({' '.join(baseline_overrides)}) at saturation: tokens/s "

@@ -129,6 +129,22 @@ def test_host_device_flag_respects_an_existing_count():
     assert benchlib.with_host_devices(f"{flag}=4", 8) == f"{flag}=4"
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to measure between")
+def test_core_round_trip_is_measured_and_leaves_nothing_behind():
+    shm = Path("/dev/shm")
+    before = set(shm.glob("k3text-round-trip-*")) if shm.is_dir() else set()
+    affinity = os.sched_getaffinity(0)
+    ns = benchlib.core_round_trip_ns(rounds=2000)
+    assert 1 < ns < 1e6  # a spin through shared memory: nanoseconds to microseconds
+    assert os.sched_getaffinity(0) == affinity  # the caller's pinning is restored
+    if shm.is_dir():
+        assert set(shm.glob("k3text-round-trip-*")) == before
+    line = benchlib.machine_line({"cpu": "x", "cores": 2, "ram_gib": 1, "backend": "cpu",
+                                  "devices": 1, "fake_cpu_devices": False, "jax": "j",
+                                  "jaxlib": "l", "date": "d", "core_round_trip_ns": ns})
+    assert f"core round trip {ns:.0f} ns" in line
+
+
 def _serve_load_interrupted(args: list[str], log: Path, marker: str,
                             ) -> tuple[subprocess.Popen, str, list[str]]:
     """Run `benchmarks/serve_load.py ARGS` (stderr to `log`) until `marker` appears in its
@@ -228,6 +244,12 @@ def test_serve_load_prints_the_targets_and_keeps_whole_rounds_on_ctrl_c(tmp_path
     assert 0.1 < saturated["server_cores"] <= os.cpu_count() + 0.5, saturated
     assert 0 < saturated["host_cpu_share"] < 1, saturated
     assert "cores busy" in stdout, stdout
+    assert 0 < saturated["client_cores"] <= os.cpu_count() + 0.5, saturated
+    assert "the load generator kept" in stdout, stdout
+    # The cores' round trip before each run of the round, and its range printed.
+    if len(os.sched_getaffinity(0)) > 1:
+        assert all(0 < r["core_round_trip_ns"] < 1e6 for r in rows[1:]), rows
+        assert "the cores' round trip before each run" in stdout, stdout
 
 
 def test_serve_load_shared_prefix_keeps_the_cache_off_rows_on_ctrl_c(tmp_path, monkeypatch,
