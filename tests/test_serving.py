@@ -2588,6 +2588,11 @@ def test_two_processes_serve_like_one(shipped):
         assert follower.proc.wait(120) == 0, "\n".join(follower.lines)
         assert any("following process 0" in line for line in follower.lines)
         assert any("SIGTERM: following process 0" in line for line in follower.lines)
+        # The follower froze its heap once process 0's warm-up had compiled its programs too.
+        following = next(i for i, line in enumerate(follower.lines)
+                         if "following process 0" in line)
+        assert any("objects frozen out of garbage collection" in line
+                   for line in follower.lines[following:]), "\n".join(follower.lines)
     finally:
         if server is not None:
             server.stop()

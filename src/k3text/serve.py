@@ -89,6 +89,7 @@ def _freeze_heap() -> None:
     request are still collected."""
     gc.collect()
     gc.freeze()
+    log.info("%d objects frozen out of garbage collection", gc.get_freeze_count())
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -112,11 +113,10 @@ def serve(cfg: Config) -> None:
             engine, _ = build_engine(cfg)
         except Exception as e:  # process 0 failed to start, most likely: say so in one line
             raise peers_lost(e, "loading the model") or e from None
-        _freeze_heap()
         log.info("process %d of %d: following process 0's engine calls", jax.process_index(),
                  jax.process_count())
         with _sigterm_left_to_process_0():
-            follow(engine)
+            follow(engine, after_warm_up=_freeze_heap)
         return
     tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_file(cfg))
     slots = cfg.global_batch_size

@@ -205,12 +205,13 @@ class LeaderEngine:
             self._lock.release()
 
 
-def follow(engine: Engine) -> int:
+def follow(engine: Engine, after_warm_up: Callable[[], None] | None = None) -> int:
     """Make process 0's engine calls on this process's `engine` until it stops; returns the
     number of calls made. A call that fails here failed on process 0 as well (the same program
     on the same inputs): its scheduler fails the requests and starts again from a new pool,
     a call like any other, so this process logs the failure and follows on; a call that fails
-    because process 0 (or another) is gone raises PeersLost."""
+    because process 0 (or another) is gone raises PeersLost. ``after_warm_up`` runs once each
+    `warm_up` call has returned here (the programs are compiled)."""
     latest: dict[str, Any] = {}
     calls = 0
 
@@ -238,3 +239,5 @@ def follow(engine: Engine) -> int:
             log.exception("engine call %s failed; following process 0's recovery", method)
             continue
         latest.update(_returned(result))
+        if method == "warm_up" and after_warm_up is not None:
+            after_warm_up()
