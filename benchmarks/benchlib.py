@@ -142,7 +142,7 @@ def core_round_trip_ns(rounds: int = 20_000, timeout_s: float = 10.0) -> float |
     A measure of how far apart the host placed this machine's two cores, which it changes while
     a benchmark runs: where they share a cache the round trip is short, and XLA:CPU's programs
     that hand small buffers between its threads (the chunked KDA form, the server's steps) run
-    at their best; where they do not it grows (about 280 against 500 ns on the machine
+    at their best; where they do not it grows (about 300 against 400-700 ns on the machine
     benchmarks/README.md describes) and those programs slow by up to 2.4x. Benchmarks record it
     beside their timings so a slow run can be told from a slow machine."""
     import mmap
