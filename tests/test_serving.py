@@ -10,12 +10,14 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import random
 import re
 import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import jax
@@ -1723,6 +1725,40 @@ def test_the_heap_as_loaded_is_frozen_out_of_garbage_collection(shipped):
     assert metrics["k3text_gc_frozen_objects"] > 100_000, metrics["k3text_gc_frozen_objects"]
     assert metrics["process_resident_memory_bytes"] > 0
     assert 'python_gc_collections_total{generation="2"}' in metrics
+
+
+def test_xla_threads_are_confined_to_the_cpus_serve_xla_cpus_names(shipped):
+    """`serve_xla_cpus: auto` on a CPU server alone on 2+ CPUs: XLA:CPU's threads leave the
+    first CPU to the HTTP and scheduler threads, which keep every CPU."""
+    server, _, _ = shipped
+    available = os.sched_getaffinity(0)
+    if len(available) < 2:
+        pytest.skip("one CPU: nothing to confine XLA:CPU's threads away from")
+    want = set(sorted(available)[1:])
+    allowed: dict[str, list[set[int]]] = {"xla": [], "host": []}
+    for task in Path(f"/proc/{server.proc.pid}/task").glob("*"):
+        kind = "xla" if (task / "comm").read_text().startswith("tf_XLA") else "host"
+        allowed[kind].append(os.sched_getaffinity(int(task.name)))
+    assert allowed["xla"] and all(cpus == want for cpus in allowed["xla"]), allowed
+    assert all(cpus == available for cpus in allowed["host"]), allowed
+    assert any(f"threads confined to CPUs {','.join(map(str, sorted(want)))}" in line
+               for line in server.lines), server.lines
+
+
+def test_serve_xla_cpus_choices():
+    from k3text.serve import xla_cpus
+
+    assert xla_cpus("auto", {0, 1}, 1, "cpu") == {1}
+    assert xla_cpus("auto", {0, 1, 2, 3}, 1, "cpu") == {1, 2, 3}
+    assert xla_cpus("auto", {0}, 1, "cpu") is None  # one CPU: nothing to leave the host
+    assert xla_cpus("auto", {0, 1}, 2, "cpu") is None  # a job's processes may share a machine
+    assert xla_cpus("auto", {0, 1}, 1, "tpu") is None  # the model is not on these threads
+    assert xla_cpus("all", {0, 1}, 1, "cpu") is None
+    assert xla_cpus("1", {0, 1}, 2, "cpu") == {1}
+    with pytest.raises(ConfigError, match=r"serve_xla_cpus=2,5: CPUs \[5\] are not among"):
+        xla_cpus("2,5", {0, 1, 2}, 1, "cpu")
+    with pytest.raises(ConfigError, match="serve_xla_cpus must be auto, all or CPU ids"):
+        load_config(CPU, ["serve_xla_cpus=1-3"])
 
 
 def test_text_prompt_and_chat(shipped, tokenizer):

@@ -22,6 +22,7 @@ import functools
 import itertools
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -588,6 +589,9 @@ def _validate(cfg: Config) -> None:
     for key in ("max_queued_requests", "serve_steps_per_call", "serve_prefill_token_budget",
                 "serve_prefill_batch", "serve_default_max_tokens"):
         _require(getattr(cfg, key) >= 1, f"{key} must be >= 1, got {getattr(cfg, key)}")
+    _require(re.fullmatch(r"auto|all|\d+(,\d+)*", str(cfg.serve_xla_cpus)) is not None,
+             f"serve_xla_cpus must be auto, all or CPU ids separated by commas (e.g. 1 or 2,3), "
+             f"got {cfg.serve_xla_cpus!r}")
     for key in ("serve_max_logprobs", "return_top_logprobs"):
         _require(0 <= cfg[key] <= min(cfg.vocab_size, 20),
                  f"{key} must be in [0, {min(cfg.vocab_size, 20)}], got {cfg[key]}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import signal
 import socket
 import sys
@@ -92,6 +93,37 @@ def _freeze_heap() -> None:
     log.info("%d objects frozen out of garbage collection", gc.get_freeze_count())
 
 
+def xla_cpus(setting: str, available: set[int], processes: int,
+             backend: str) -> set[int] | None:
+    """The CPUs `serve_xla_cpus` confines XLA:CPU's threads to, or None to leave them be
+    (see configs/base.yml). Only the CPU backend runs the model on them; with several processes
+    a machine's CPUs may be shared out already, so ``auto`` leaves a multi-process job be."""
+    if backend != "cpu" or setting == "all":
+        return None
+    if setting == "auto":
+        return set(sorted(available)[1:]) if processes == 1 and len(available) > 1 else None
+    cpus = {int(c) for c in setting.split(",")}
+    if not cpus <= available:
+        raise ConfigError(f"serve_xla_cpus={setting}: CPUs {sorted(cpus - available)} are not "
+                          f"among this process's {sorted(available)}")
+    return cpus
+
+
+def _confine_xla_threads(cpus: set[int]) -> int:
+    """Pin this process's XLA:CPU threads (named ``tf_XLA...``: the intra-op workers, the
+    executors) to `cpus`; the others keep theirs. Returns how many were pinned (0 without
+    /proc)."""
+    pinned = 0
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            if (task / "comm").read_text().startswith("tf_XLA"):
+                os.sched_setaffinity(int(task.name), cpus)
+                pinned += 1
+        except (OSError, ValueError):  # the thread ended meanwhile
+            continue
+    return pinned
+
+
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -118,6 +150,8 @@ def serve(cfg: Config) -> None:
         with _sigterm_left_to_process_0():
             follow(engine, after_warm_up=_freeze_heap)
         return
+    cpus = xla_cpus(cfg.serve_xla_cpus, os.sched_getaffinity(0), jax.process_count(),
+                    jax.default_backend())
     tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_file(cfg))
     slots = cfg.global_batch_size
     metrics = Metrics(slots)
@@ -148,6 +182,10 @@ def serve(cfg: Config) -> None:
                                      top_n=cfg.serve_max_logprobs, serving=True,
                                      prefill_engine=prefill_engine)
             _freeze_heap()
+            if cpus is not None:
+                log.info("XLA:CPU's %d threads confined to CPUs %s (serve_xla_cpus=%s)",
+                         _confine_xla_threads(cpus), ",".join(map(str, sorted(cpus))),
+                         cfg.serve_xla_cpus)
             scheduler = Scheduler(cfg, engine, tokenizer, metrics, prefill_engine,
                                   on_stuck=_exit_stuck)
             scheduler.start()
