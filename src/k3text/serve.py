@@ -150,8 +150,8 @@ def serve(cfg: Config) -> None:
         with _sigterm_left_to_process_0():
             follow(engine, after_warm_up=_freeze_heap)
         return
-    cpus = xla_cpus(cfg.serve_xla_cpus, os.sched_getaffinity(0), jax.process_count(),
-                    jax.default_backend())
+    available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    cpus = xla_cpus(cfg.serve_xla_cpus, available, jax.process_count(), jax.default_backend())
     tokenizer = load_tokenizer(cfg.tokenizer_type, tokenizer_file(cfg))
     slots = cfg.global_batch_size
     metrics = Metrics(slots)
