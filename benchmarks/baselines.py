@@ -103,10 +103,6 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def round_trip_text(ns: float | None) -> str:
-    return "-" if ns is None else f"{ns:.0f} ns"
-
-
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x"
 
@@ -437,7 +433,7 @@ def kda_section(quick: bool) -> list[Row]:
                     f"{ratio(by['recurrent', b, t]['fastest_ms'], by[f, b, t]['fastest_ms'])})"
                     for f in others),
                   f"{max(by[f, b, t]['max_abs_diff_vs_recurrent'] for f in KDA_FORMS):.1e}",
-                  round_trip_text(by["recurrent", b, t]["core_round_trip_ns"])]
+                  benchlib.round_trip_text(by["recurrent", b, t]["core_round_trip_ns"])]
                  for b, t in cases],
                 title=f"(b) KDA prefill, H={KDA_HEADS} K=V={KDA_HEAD_DIM}, fp32, K3's gate "
                       f"(lower bound {KDA_LOWER_BOUND}); speed-ups over the per-token recurrence, "

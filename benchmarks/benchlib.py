@@ -109,10 +109,15 @@ def machine_line(m: Mapping[str, Any]) -> str:
     fake = " (fake CPU devices)" if m["fake_cpu_devices"] else ""
     preload = f" | preloaded {Path(m['ld_preload']).name}" if m.get("ld_preload") else ""
     trip = m.get("core_round_trip_ns")
-    trip = f" | core round trip {trip:.0f} ns" if trip is not None else ""
+    trip = f" | core round trip {round_trip_text(trip)}" if trip is not None else ""
     return (f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB{trip} | {m['backend']} x "
             f"{m['devices']}{fake} | jax {m['jax']} / jaxlib {m['jaxlib']}{preload} | "
             f"{m['date']}")
+
+
+def round_trip_text(ns: float | None) -> str:
+    """A `core_round_trip_ns` figure as printed."""
+    return "-" if ns is None else f"{ns:.0f} ns"
 
 
 # The echoing side of `core_round_trip_ns`, run as its own interpreter (a fork of a process

@@ -281,11 +281,6 @@ def probed(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return run() | {"core_round_trip_ns": trip}
 
 
-def round_trips_text(rows: list[dict[str, Any]]) -> str:
-    trips = [r.get("core_round_trip_ns") for r in rows]
-    return "-" if None in trips else " / ".join(f"{t:.0f}" for t in trips) + " ns"
-
-
 async def closed_loop(url: str, model: str, requests: list[dict], concurrency: int,
                       slots: int, pid: int | None = None) -> dict[str, Any]:
     """`requests` from `concurrency` clients, each sending its next when the last one ends;
@@ -741,9 +736,10 @@ def load_test(args: argparse.Namespace) -> str:
             # A round counts once it is whole: Ctrl-C keeps the rounds completed.
             rows += [saturated, steady, static, *([base] if baseline else [])]
             rounds.append(this_round)
+            trips = " / ".join(benchlib.round_trip_text(r["core_round_trip_ns"])
+                               for r in (saturated, steady))
             print(f"round {i + 1}: " + ", ".join(f"{k} {v:.2f}x" for k, v in this_round.items())
-                  + f"; the cores' round trip {round_trips_text([saturated, steady])} "
-                  f"(server, offline)", file=sys.stderr)
+                  + f"; the cores' round trip {trips} (server, offline)", file=sys.stderr)
     except KeyboardInterrupt:
         if not rows:
             raise
