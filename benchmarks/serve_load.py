@@ -492,10 +492,11 @@ class Offline:
         that leaves at best. The offline steady state only decodes; a server must also prefill
         every prompt, and on a small model a prompt costs several decode steps. Each prompt's
         chunks ride one-step decode calls on a full pool (as the server runs them), timed
-        against plain one-step calls on the same pool, interleaved; the decode work is the
-        workload's output tokens at the steady state's per-step time with every slot busy.
-        `ceiling`: decode / (decode + riding prefill), the saturation ratio with every slot
-        always busy and no cost but the work itself."""
+        against plain one-step calls on the same pool, interleaved; a prompt that skips prefill
+        (`serve_decode_prompt_tokens`) costs its slot a decode step per token instead; the
+        decode work is the workload's output tokens at the steady state's per-step time with
+        every slot busy. `ceiling`: decode / (decode + prefill), the saturation ratio with every
+        slot always busy and no cost but the work itself."""
         from k3text.inference import sampling
         from k3text.serving.scheduler import prefill_rows
 
@@ -542,14 +543,16 @@ class Offline:
 
         for width in (*engine.buckets, chunk):  # compile every width's one-step programs
             ride(fill[0][:1] * width)
-        riding, plain = (sum(t) for t in zip(*(ride(r["prompt"]) for r in self.requests),
-                                               strict=True))
-        prefill = riding - plain
-        decode = sum(r["max_tokens"] for r in self.requests) / slots * \
-            steady["tpot_p50_ms"] / 1e3
+        step = steady["tpot_p50_ms"] / 1e3
+        fed = [] if cfg.serve_prefill_apart else \
+            [r for r in self.requests if len(r["prompt"]) <= cfg.serve_decode_prompt_tokens]
+        riders = [r for r in self.requests if r not in fed]
+        riding, plain = (sum(t) for t in zip(*(ride(r["prompt"]) for r in riders),
+                                               strict=True)) if riders else (0.0, 0.0)
+        prefill = riding - plain + sum(len(r["prompt"]) for r in fed) / slots * step
+        decode = sum(r["max_tokens"] for r in self.requests) / slots * step
         return {"prefill_s": prefill, "decode_s": decode, "ceiling": decode / (decode + prefill),
-                "prefill_steps_per_prompt": prefill / len(self.requests)
-                / (steady["tpot_p50_ms"] / 1e3)}
+                "prefill_steps_per_prompt": prefill / len(self.requests) / step}
 
     def static(self) -> dict[str, Any]:
         """The workload in static batches of the slot count, in arrival order (each batch runs
@@ -784,7 +787,9 @@ def load_test(args: argparse.Namespace) -> str:
     print(f"  the whole run, its drain included: {show('whole_run')}")
     steadies = [r for r in rows if r["mode"] == "offline steady state"]
     per_prompt = float(np.median([r["prefill_steps_per_prompt"] for r in steadies]))
-    print(f"  ceiling for this workload: {show('ceiling')}: its prompts, riding decode calls, "
+    fed = f" or, up to {cfg.serve_decode_prompt_tokens} tokens, fed through decode steps" \
+        if cfg.serve_decode_prompt_tokens and not cfg.serve_prefill_apart else ""
+    print(f"  ceiling for this workload: {show('ceiling')}: its prompts, riding decode calls{fed}, "
           f"cost {per_prompt:.2f} offline decode steps each; decode / (decode + prefill) with "
           f"all {slots} slots busy every step and nothing else spent")
     if cfg.serve_prefill_apart:

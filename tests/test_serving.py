@@ -965,6 +965,92 @@ def test_insert_overwrites_every_array_of_a_poisoned_slot(tiny):
     assert np.isfinite(np.asarray(pool.state.kda_recurrent)).all()
 
 
+def test_prompts_fed_through_decode_steps_equal_prefilled_ones(tiny):
+    """`insert_prompts` (no prefill: each prompt goes through the decode steps, one token a
+    step) into slots full of another occupant's garbage gives what a fresh batch prefilled as
+    usual gives: the same greedy tokens and log-probabilities, each slot's tokens in order from
+    column 0 of every call although a long prompt feeds through several 4-step calls while its
+    neighbours emit; limits count output tokens only; padding rows write nowhere; a seeded
+    sampled row draws what it draws when prefilled."""
+    cfg, _ = tiny
+    cfg = cfg.replace(serve_decode_prompt_tokens=12)
+    engine = engine_for(cfg, seed=3)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (1, 12, 5)]
+    limits = [8, 8, 2]
+    reference = engine.decode_batch(prompts, batch=4, top_n=2)
+    pool = engine.new_pool(4)
+    poisoned = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan) if a.dtype.kind == "f"
+                            else jnp.full_like(a, 97), pool.state)
+    pool = pool._replace(state=poisoned,
+                         slots=pool.slots._replace(active=jnp.ones(4, bool),
+                                                   produced=jnp.full(4, 5, jnp.int32)))
+    stop = np.tile(engine.stop_ids(), (4, 1))
+    order = [3, 0, 2]  # slot of prompt i; slot 1 keeps its garbage (a padding row's slot)
+    pool = engine.insert_prompts(pool, [*prompts, []], [*order, -1], [*limits, 8], stop,
+                                 sampling.config_sampling(cfg, 4))
+    pool = engine.release(pool, [1])
+    got = {slot: ([], [], []) for slot in range(4)}
+    for _ in range(6):
+        pool, out = engine.generate(pool, 4, 2)
+        for slot, (ids, lps, tops) in got.items():
+            n = out.count[slot]
+            ids += out.ids[slot, :n].tolist()
+            lps += out.logprobs[slot, :n].tolist()
+            tops += out.top_logprobs[slot, :n].tolist()
+    assert got[1] == ([], [], [])
+    assert [len(got[slot][0]) for slot in order] == [min(len(want), limit) for want, limit in
+                                                    zip(reference.output_ids, limits,
+                                                        strict=True)]
+    assert_same_greedy([got[slot][0] for slot in order],
+                       [want[:limit] for want, limit in zip(reference.output_ids, limits,
+                                                            strict=True)],
+                       [got[slot][2] for slot in order], [got[slot][1] for slot in order],
+                       [want[:limit] for want, limit in zip(reference.output_logprobs, limits,
+                                                            strict=True)])
+    with pytest.raises(ValueError, match="a prompt of 13 tokens does not go through the "
+                                         "decode steps"):
+        engine.insert_prompts(engine.new_pool(4), [[5] * 13], [0], [8], stop[:1],
+                              sampling.config_sampling(cfg, 1))
+
+    seeded = sampling.host_sampling([(0.9, 20, 0.95, 1234)], cfg.vocab_size)
+    pool = engine.insert_prompts(engine.new_pool(4), [prompts[1]], [2], [8], stop[:1], seeded)
+    pool, fed = _run_pool(engine, pool)
+    pool, first = engine.insert(engine.new_pool(4), engine.prefill([prompts[1]]), [2], [8],
+                                stop[:1], seeded)
+    pool, prefilled = _run_pool(engine, pool)
+    assert fed[2] == [int(first.ids[0]), *prefilled[2]] and len(fed[2]) == 8
+
+
+def test_the_scheduler_feeds_short_prompts_through_decode_steps_like_prefilled_ones(tiny):
+    """With `serve_decode_prompt_tokens`, prompts that short skip prefill and every request's
+    tokens and log-probabilities equal those served with prefill only: short and long prompts,
+    greedy and seeded, limits shorter than a call (a request still feeding its prompt when its
+    call is in flight keeps its slot to the end) and longer, more requests than slots."""
+    from test_prefix_cache import greedy_tops, serve  # the in-process scheduler driver
+
+    cfg, _ = tiny
+    rng = np.random.default_rng(5)
+    requests = [(rng.integers(3, cfg.vocab_size, n).tolist(),
+                 SamplingParams(max_tokens=m, temperature=0.0 if i % 3 else 0.8, seed=i,
+                                logprobs=2))
+                for i, (n, m) in enumerate(((3, 5), (12, 2), (1, 9), (40, 4), (9, 1), (7, 6),
+                                            (12, 3), (2, 7), (33, 2), (5, 5)))]
+    served = {}
+    for tokens in (0, 12):
+        short = cfg.replace(serve_decode_prompt_tokens=tokens, per_device_batch_size=3,
+                            serve_prefill_batch=2)
+        engine = engine_for(short, seed=3)
+        served[tokens], _ = serve(engine, short, requests)
+        fed = {program for program, _ in engine._shapes_seen} >= {"insert prompts"}
+        assert fed == bool(tokens), engine._shapes_seen
+    prefilled, fed = served[0], served[12]
+    assert [len(r["ids"]) for r in fed] == [params.max_tokens for _, params in requests]
+    assert_same_greedy([r["ids"] for r in fed], [r["ids"] for r in prefilled],
+                       greedy_tops(prefilled), [r["lps"] for r in fed],
+                       [r["lps"] for r in prefilled])
+
+
 def test_engine_calls_refuse_what_they_cannot_do(tiny, monkeypatch):
     """Bad arguments to the engine's calls are one ConfigError naming the problem; -1 is a
     padding row to `release` as to `insert`; running out of device memory names the setting
@@ -2453,9 +2539,11 @@ def test_isolation_under_concurrent_mixed_load(shipped):
     run_load(server, prompts, reference, 64, "k3-small")
     assert not [line for line in server.lines if "Traceback" in line or "ERROR" in line]
     compiles = [line for line in server.lines if "compiling" in line]
-    # Prefill chunk, its scored form, insert, generate, the decode step with a chunk riding
+    # Prefill chunk, its scored form, insert, the insert of prompts that skip prefill
+    # (cpu.yml's `serve_decode_prompt_tokens`), generate, the decode step with a chunk riding
     # along, the prefix cache's restore and save: once each.
-    assert len(compiles) == 7, compiles
+    assert len(compiles) == 8, compiles
+    assert any("compiling insert prompts" in line for line in compiles), compiles
     metrics = server.metrics()  # the load repeats prompts: the cache served some
     assert metrics["k3text_prefix_cache_hit_tokens_total"] >= 16
     assert 0 < metrics["k3text_prefix_cache_bytes"] <= 2_000_000

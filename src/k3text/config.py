@@ -589,6 +589,9 @@ def _validate(cfg: Config) -> None:
     for key in ("max_queued_requests", "serve_steps_per_call", "serve_prefill_token_budget",
                 "serve_prefill_batch", "serve_default_max_tokens"):
         _require(getattr(cfg, key) >= 1, f"{key} must be >= 1, got {getattr(cfg, key)}")
+    _require(0 <= cfg.serve_decode_prompt_tokens < cfg.prefill_chunk_size,
+             f"serve_decode_prompt_tokens must be in [0, prefill_chunk_size="
+             f"{cfg.prefill_chunk_size}), got {cfg.serve_decode_prompt_tokens}")
     _require(re.fullmatch(r"auto|all|\d+(,\d+)*", str(cfg.serve_xla_cpus)) is not None,
              f"serve_xla_cpus must be auto, all or CPU ids separated by commas (e.g. 1 or 2,3), "
              f"got {cfg.serve_xla_cpus!r}")

@@ -84,6 +84,9 @@ class Slots(NamedTuple):
     stop_ids: jax.Array  # [S, MAX_STOP_IDS] int32, -1 = unused
     counts: jax.Array  # [S, vocab] int32: each token's count in the output so far (penalties)
     sampling: SlotSampling
+    # [S, F] int32: prompt tokens still to go through the decode steps, in order (-1 = none;
+    # `insert_prompts`); while any is left the step's logits are a prompt position's, not sampled
+    feed: jax.Array
 
 
 class Pool(NamedTuple):
@@ -108,7 +111,7 @@ class Tokens(NamedTuple):
 
 SLOT_AXES = Slots(tokens=("batch",), active=("batch",), produced=("batch",), limit=("batch",),
                   stop_ids=("batch", None), counts=("batch", None),
-                  sampling=sampling.SAMPLING_AXES)
+                  sampling=sampling.SAMPLING_AXES, feed=("batch", None))
 
 
 class Later[T]:
@@ -182,6 +185,8 @@ class Engine:
                                        static_argnames=("top_n",), donate_argnames=("prefix",))
         self._insert = jax.jit(packed_insert_program, static_argnames=("layout", "top_n"),
                                donate_argnames=("pool",))
+        self._insert_prompts = jax.jit(packed_insert_prompts_program,
+                                       static_argnames=("layout",), donate_argnames=("pool",))
         self._generate = jax.jit(bound(generate_program, cfg, self.layout),
                                  static_argnames=("max_steps", "top_n"),
                                  donate_argnames=("pool",))
@@ -439,6 +444,33 @@ class Engine:
             first, lp, top_ids, top_lps, active = _to_host(out)
         return pool, Tokens(first, lp, top_ids, top_lps, np.ones(rows, np.int32), active)
 
+    def insert_prompts(self, pool: Pool, prompts: Sequence[Sequence[int]], slots: Sequence[int],
+                       limits: Sequence[int], stop_ids: np.ndarray, params: SlotSampling,
+                       ) -> Pool:
+        """Start prompt i in slot `slots[i]` (-1: a padding row, written nowhere) without a
+        prefill: every array of the slot is reset (a fresh sequence) and the prompt goes through
+        the decode steps one token a step, at most `feed_width` tokens; the step that reads its
+        last token samples its first output token. Where a prefill chunk stalls every slot for
+        its call, this costs only the slot's own steps. `pool` is consumed."""
+        width = self.feed_width
+        tokens = np.full((len(prompts), width), -1, np.int32)
+        for i, prompt in enumerate(prompts):
+            if len(prompt) > width:
+                raise ValueError(f"a prompt of {len(prompt)} tokens does not go through the "
+                                 f"decode steps (serve_decode_prompt_tokens={width})")
+            tokens[i, :len(prompt)] = prompt
+        self._note_shape("insert prompts", f"{len(prompts)} rows into "
+                                           f"{pool.slots.tokens.shape[0]} slots")
+        packed, layout = self._global_rows([tokens, *_row_arguments(slots, limits, stop_ids,
+                                                                      params)])
+        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
+            return self._insert_prompts(pool, packed, layout=layout)
+
+    @property
+    def feed_width(self) -> int:
+        """The most prompt tokens `insert_prompts` takes (the pool's `feed` width)."""
+        return feed_width(self.cfg)
+
     def generate(self, pool: Pool, n_steps: int, top_n: int = 0) -> tuple[Pool, Tokens]:
         """Up to `n_steps` decode steps for every slot in one device call (fewer when every
         slot stops first). `pool` is consumed."""
@@ -546,8 +578,9 @@ class Engine:
         one chunk of padding at each of `widths` (default: every bucket and the whole chunk;
         `prefill_widths` says which a set of prompts runs), inserted as padding rows, and a
         decode call with no active slot, which stops before its first step; for a server also
-        the decode call with each chunk width riding along (`serve_steps_per_call` steps) and
-        the scored chunk of `prefill_scored`.
+        the decode call with each chunk width riding along (`serve_steps_per_call` steps), the
+        scored chunk of `prefill_scored` and, with `serve_decode_prompt_tokens`,
+        `insert_prompts`.
         Running them, not only compiling, also pays each program's one-time cost of its first
         execution, which would otherwise land in the first real call. With a `prefill_engine`
         (`serve_prefill_apart`) the prefill programs compile there and no chunk rides a decode
@@ -584,6 +617,11 @@ class Engine:
             pool, _ = self.insert(pool, padding, [-1] * n, [1] * n,
                                   np.tile(self.stop_ids(), (n, 1)),
                                   sampling.config_sampling(cfg, n), top_n)
+        if serving and cfg.serve_decode_prompt_tokens and prefill_engine is None:
+            pool = self.insert_prompts(pool, [[]] * prefill_batch, [-1] * prefill_batch,
+                                       [1] * prefill_batch,
+                                       np.tile(self.stop_ids(), (prefill_batch, 1)),
+                                       sampling.config_sampling(cfg, prefill_batch))
         prefix = prefixes[0]
         pool, _ = self.generate(pool, max(max_steps, 1), top_n)
         if serving and prefill_engine is None:
@@ -820,28 +858,42 @@ def insert_program(pool: Pool, prefix: Prefix, slots: jax.Array, limit: jax.Arra
         prefix.logits, params, jnp.zeros(rows, jnp.int32), top_n, stop_ids,
         sampling.History(nothing_yet, sampling.prompt_tokens(params, vocab)))
     active = ~(_is_stop(first, stop_ids) | (limit <= 1))
+    new = Slots(tokens=first, active=active, produced=jnp.ones(rows, jnp.int32), limit=limit,
+                stop_ids=stop_ids, counts=_counted(nothing_yet, first, jnp.ones(rows, bool)),
+                sampling=params, feed=jnp.full((rows, pool.slots.feed.shape[1]), -1, jnp.int32))
+    return _write_slots(pool, slots, prefix.state, new), (first, lp, top_ids, top_lps, active)
+
+
+def insert_prompts_program(pool: Pool, prompts: jax.Array, slots: jax.Array, limit: jax.Array,
+                           stop_ids: jax.Array, params: SlotSampling) -> Pool:
+    """Prompt row i (`prompts` [rows, F], -1 past its end) into slot `slots[i]` with a zero
+    state, to go through the decode steps (`Engine.insert_prompts`)."""
+    rows, vocab = prompts.shape[0], pool.slots.counts.shape[1]
+    feed = jnp.concatenate([prompts[:, 1:], jnp.full((rows, 1), -1, jnp.int32)], axis=1)
+    new = Slots(tokens=prompts[:, 0], active=jnp.ones(rows, bool),
+                produced=jnp.zeros(rows, jnp.int32), limit=limit, stop_ids=stop_ids,
+                counts=jnp.zeros((rows, vocab), jnp.int32), sampling=params, feed=feed)
+    return _write_slots(pool, slots, None, new)
+
+
+def _write_slots(pool: Pool, slots: jax.Array, state: DecodeState | None, new: Slots) -> Pool:
+    """Rows written into slots `slots` (-1: a padding row, dropped), every array of each slot:
+    `state` the rows' decode state (None: zeros, a sequence not begun), `new` their `Slots`."""
     # Padding rows carry slot -1: moved past the end, their writes are dropped.
     at = jnp.where(slots < 0, pool.slots.tokens.shape[0], slots)
 
     def put(field, whole, part):
-        if field == "lengths":
-            return whole.at[at].set(part, mode="drop")
-        if isinstance(whole, list):  # a per-layer pool: layer l of the prefix into array l
-            return [w.at[at].set(part[layer].astype(w.dtype), mode="drop")
-                    for layer, w in enumerate(whole)]
-        return whole.at[:, at].set(part.astype(whole.dtype), mode="drop")
+        if isinstance(whole, list):  # a per-layer pool: layer l of the rows into array l
+            return [w.at[at].set(0 if part is None else part[layer].astype(w.dtype),
+                                 mode="drop") for layer, w in enumerate(whole)]
+        index = at if field == "lengths" else (slice(None), at)
+        return whole.at[index].set(0 if part is None else part.astype(whole.dtype), mode="drop")
 
+    parts = state if state is not None else [None] * len(DecodeState._fields)
     state = DecodeState(*(put(f, w, p) for f, w, p in
-                          zip(DecodeState._fields, pool.state, prefix.state, strict=True)))
+                          zip(DecodeState._fields, pool.state, parts, strict=True)))
     put_slot = lambda whole, part: whole.at[at].set(part.astype(whole.dtype), mode="drop")
-    s = pool.slots
-    new = Slots(tokens=put_slot(s.tokens, first), active=put_slot(s.active, active),
-                produced=put_slot(s.produced, jnp.ones(rows, jnp.int32)),
-                limit=put_slot(s.limit, limit), stop_ids=put_slot(s.stop_ids, stop_ids),
-                counts=put_slot(s.counts, _counted(nothing_yet, first, jnp.ones(rows, bool))),
-                sampling=SlotSampling(*(put_slot(w, p) for w, p in
-                                        zip(s.sampling, params, strict=True))))
-    return Pool(state, new), (first, lp, top_ids, top_lps, active)
+    return Pool(state, jax.tree.map(put_slot, pool.slots, new))
 
 
 def generate_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, max_steps: int,
@@ -871,10 +923,11 @@ def _decode_loop(cfg: Config, model: Decoder, pool: Pool, max_steps: int,
     restack = not cfg.scan_layers and not is_per_layer(pool.state)
     state = per_layer_state(pool.state) if restack else pool.state
     carry = jax.lax.while_loop(cond, body, _first_carry(cfg, slots, state, max_steps, top_n))
-    steps, tokens, active, produced, out, lps, top_ids, top_lps, counts, state = carry
+    steps, tokens, active, produced, out, lps, top_ids, top_lps, counts, feed, state = carry
     if restack:
         state = stacked_state(state)
-    new_slots = slots._replace(tokens=tokens, active=active, produced=produced, counts=counts)
+    new_slots = slots._replace(tokens=tokens, active=active, produced=produced, counts=counts,
+                               feed=feed)
     return Pool(state, new_slots), (out, lps, top_ids, top_lps, produced - slots.produced,
                                     active, steps)
 
@@ -897,8 +950,9 @@ def decode_and_prefill_program(cfg: Config, graphdef: Any, params: Any, pool: Po
         s.tokens, pool.state, tokens, valid, prefix.state, start)
     carry = _advance(cfg, s, sampling.prompt_tokens(s.sampling, s.counts.shape[1]), top_n,
                      _first_carry(cfg, s, pool.state, 1, top_n), logits, state)
-    steps, last, active, produced, out, lps, top_ids, top_lps, counts, state = carry
-    pool = Pool(state, s._replace(tokens=last, active=active, produced=produced, counts=counts))
+    steps, last, active, produced, out, lps, top_ids, top_lps, counts, feed, state = carry
+    pool = Pool(state, s._replace(tokens=last, active=active, produced=produced, counts=counts,
+                                  feed=feed))
     ends_here = jnp.any(valid, axis=1)
     prefix = Prefix(jnp.where(ends_here[:, None], chunk_logits, prefix.logits), prefix_state)
     pool, first = insert_program(pool, prefix, slots, limit, stop_ids, sampling_params, top_n)
@@ -923,6 +977,12 @@ def packed_insert_program(pool: Pool, prefix: Prefix, packed: jax.Array, layout:
     return insert_program(pool, prefix, slots, limit, stop_ids, SlotSampling(*params), top_n)
 
 
+def packed_insert_prompts_program(pool: Pool, packed: jax.Array, layout: RowLayout) -> Pool:
+    """`insert_prompts_program` on the prompts and `_row_arguments`, packed by `pack_rows`."""
+    prompts, slots, limit, stop_ids, *params = unpack_rows(packed, layout)
+    return insert_prompts_program(pool, prompts, slots, limit, stop_ids, SlotSampling(*params))
+
+
 def packed_decode_and_prefill_program(cfg: Config, graphdef: Any, params: Any, pool: Pool,
                                        prefix: Prefix, packed: jax.Array, start: jax.Array,
                                        layout: RowLayout, top_n: int, n_steps: int,
@@ -939,36 +999,44 @@ def _first_carry(cfg: Config, slots: Slots, state: DecodeState, max_steps: int,
                  top_n: int) -> tuple:
     """The decode loop's carry before its first step: (step, last tokens, active, produced,
     tokens out [S, max_steps], their logprobs, top ids, top logprobs, output token counts,
-    state)."""
+    prompt tokens still to feed, state)."""
     n = slots.tokens.shape[0]
     return (jnp.int32(0), slots.tokens, slots.active, slots.produced,
             jnp.full((n, max_steps), cfg.pad_token_id, jnp.int32),
             jnp.zeros((n, max_steps), jnp.float32), jnp.zeros((n, max_steps, top_n), jnp.int32),
-            jnp.zeros((n, max_steps, top_n), jnp.float32), slots.counts, state)
+            jnp.zeros((n, max_steps, top_n), jnp.float32), slots.counts, slots.feed, state)
 
 
 def _advance(cfg: Config, slots: Slots, in_prompt: jax.Array, top_n: int, carry: tuple,
              logits: jax.Array, new_state: DecodeState) -> tuple:
     """The carry after one decode step that gave `logits` and `new_state`: each active slot's
     token sampled with its own parameters (`in_prompt`: its prompt's tokens, unpacked once
-    per call) and recorded, stops and limits applied."""
-    step, tokens, active, produced, out, lps, top_ids, top_lps, counts, state = carry
+    per call) and recorded, stops and limits applied; a slot still feeding its prompt
+    (`insert_prompts`) takes its next prompt token instead, and records nothing."""
+    step, tokens, active, produced, out, lps, top_ids, top_lps, counts, feed, state = carry
     # Free slots run too (fixed shapes) but their length stays put, so their cache writes stay
     # in range; `insert` overwrites everything a free slot holds.
     state = new_state._replace(lengths=jnp.where(active, new_state.lengths, state.lengths))
+    feeding = active & (feed[:, 0] >= 0)
+    emits = active & ~feeding
     sampled, lp, t_ids, t_lps = sampling.sample_slots(
         logits, slots.sampling, produced, top_n, slots.stop_ids,
         sampling.History(counts, in_prompt))
-    out = out.at[:, step].set(jnp.where(active, sampled, cfg.pad_token_id))
-    lps = lps.at[:, step].set(jnp.where(active, lp, 0.0))
-    top_ids = top_ids.at[:, step].set(t_ids)
-    top_lps = top_lps.at[:, step].set(t_lps)
-    produced = produced + active.astype(jnp.int32)
-    finished = _is_stop(sampled, slots.stop_ids) | (produced >= slots.limit)
-    counts = _counted(counts, sampled, active)
-    tokens = jnp.where(active, sampled, tokens)
+    # Each slot's tokens of the call are kept in order from column 0 (a slot that fed its
+    # prompt in the first steps starts later): a select per row, elementwise, so a batch split
+    # over devices stays split.
+    here = emits[:, None] & (jnp.arange(out.shape[1]) == (produced - slots.produced)[:, None])
+    out = jnp.where(here, sampled[:, None], out)
+    lps = jnp.where(here, lp[:, None], lps)
+    top_ids = jnp.where(here[..., None], t_ids[:, None], top_ids)
+    top_lps = jnp.where(here[..., None], t_lps[:, None], top_lps)
+    produced = produced + emits.astype(jnp.int32)
+    finished = emits & (_is_stop(sampled, slots.stop_ids) | (produced >= slots.limit))
+    counts = _counted(counts, sampled, emits)
+    tokens = jnp.where(feeding, feed[:, 0], jnp.where(active, sampled, tokens))
+    feed = jnp.concatenate([feed[:, 1:], jnp.full_like(feed[:, :1], -1)], axis=1)
     return (step + 1, tokens, active & ~finished, produced, out, lps, top_ids, top_lps, counts,
-            state)
+            feed, state)
 
 
 def _counted(counts: jax.Array, tokens: jax.Array, where: jax.Array) -> jax.Array:
@@ -999,7 +1067,14 @@ def pool_shapes(cfg: Config, slots: int) -> Pool:
                 Slots(tokens=i32(), active=jax.ShapeDtypeStruct((slots,), jnp.bool_),
                       produced=i32(), limit=i32(), stop_ids=i32(MAX_STOP_IDS),
                       counts=i32(cfg.vocab_size),
-                      sampling=sampling.sampling_shapes(slots, cfg.vocab_size)))
+                      sampling=sampling.sampling_shapes(slots, cfg.vocab_size),
+                      feed=i32(feed_width(cfg))))
+
+
+def feed_width(cfg: Config) -> int:
+    """The pool's `feed` columns: the longest prompt `Engine.insert_prompts` takes (one unused
+    column when `serve_decode_prompt_tokens` is 0)."""
+    return max(cfg.serve_decode_prompt_tokens, 1)
 
 
 def pool_axes(cfg: Config) -> Pool:

@@ -42,8 +42,8 @@ from k3text.inference.sampling import PromptScores
 log = logging.getLogger("k3text.serve")
 
 DEVICE_CALLS = ("new_pool", "new_prefix", "prefill_chunk", "prefill_scored", "prefill_slices",
-                "insert", "generate", "decode_and_prefill", "release", "warm_up", "new_store",
-                "restore_prefix", "save_blocks")
+                "insert", "insert_prompts", "generate", "decode_and_prefill", "release",
+                "warm_up", "new_store", "restore_prefix", "save_blocks")
 _STOP = "stop"
 _MIN_MESSAGE = 1 << 12
 

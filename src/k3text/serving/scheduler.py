@@ -1,7 +1,9 @@
 """The host-side scheduler: requests in, a pool of decode slots kept busy, tokens out.
 
 One thread owns the engine and the pool and loops over iterations:
-1. requests cancelled (client gone, shutdown) leave the queue or free their slot;
+1. requests cancelled (client gone, shutdown) leave the queue or free their slot; prompts of
+   at most `serve_decode_prompt_tokens` tokens at the head of the queue go into free slots with
+   no prefill (`Engine.insert_prompts`), fed through the decode steps one token a step;
 2. while any slot decodes, one decode call of `serve_steps_per_call` steps for every slot:
    while a group is being prefilled, its next chunk rides the first step
    (`Engine.decode_and_prefill`: the token-wise layers run once over both) and the rows whose
@@ -82,6 +84,11 @@ def _prompt_scores(job: _Prefill, row: int) -> PromptScores:
     whole = PromptScores(*(np.concatenate(part, axis=1)[row, :n] for part in zip(*scores,
                                                                                  strict=True)))
     return whole._replace(top_ids=whole.top_ids[:, :top], top_logprobs=whole.top_logprobs[:, :top])
+
+
+def _rows_of(job: _Prefill, ready: list[int]) -> list[Request | None]:
+    """The rows `ready` of `job`, every other row None."""
+    return [r if i in ready else None for i, r in enumerate(job.rows)]
 
 
 def prefill_rows(cfg: Config) -> int:
@@ -171,6 +178,10 @@ class Request:
     stop_reason: str | int | None = None  # `Finished.stop_reason`
     prompt_scores: PromptScores | None = None  # sent with its first tokens
     handed_over: bool = False  # its slot went to another request before its last tokens came
+    # Prompt tokens it still feeds through decode steps (`serve_decode_prompt_tokens`) after the
+    # calls dispatched so far, and whether the last call dispatched for it fed any.
+    to_feed: int = 0
+    fed_in_flight: bool = False
     done: bool = False
 
 
@@ -385,6 +396,7 @@ class Scheduler:
             if self._decoding or self._in_flight_call:
                 self._decode()
         else:
+            self._start_short_prompts()
             spent = self._decode() if self._decoding or self._in_flight_call else 0
             self._prefill_within_budget(spent)
         self._update_gauges()
@@ -542,7 +554,7 @@ class Scheduler:
                 and self.prefiller.context_parallel([r.prompt_ids])
 
         with self._cv:
-            if not (self._waiting and free):
+            if not (self._waiting and free) or self._decodes_prompt(self._waiting[0]):
                 return None
             slices = parallel(self._waiting[0])
             kind = scored(self._waiting[0])
@@ -554,7 +566,8 @@ class Scheduler:
             # group is not (or the other way round): it goes next.
             while self._waiting and len(rows) < min(free, 1 if slices else batch) \
                     and not (rows and (parallel(self._waiting[0])
-                                       or scored(self._waiting[0]) != kind)):
+                                       or scored(self._waiting[0]) != kind)) \
+                    and not self._decodes_prompt(self._waiting[0]):
                 rows.append(self._waiting.popleft())
         if not rows:
             return None
@@ -568,9 +581,7 @@ class Scheduler:
             tokens[i, : len(r.prompt_ids)] = r.prompt_ids
             valid[i, : len(r.prompt_ids)] = True
             r.slot = -1 if self._apart else self._free.pop(0)
-            r.text = TextStream(self.tokenizer, r.params.stop, r.params.min_tokens,
-                                r.params.include_stop_str)
-            r.stop_ids = self.engine.stop_ids(r.params.stop_token_ids, r.params.ignore_eos)
+            self._begin(r)
         rows += [None] * (batch - len(rows))
         job = _Prefill(rows, prefix, tokens, valid, slices=slices)
         if kind:  # the token after each position; past the prompt, any id
@@ -614,10 +625,9 @@ class Scheduler:
             self.prefix_cache.end(job.chains[row])
             job.chains[row] = None
 
-    def _insert_args(self, job: _Prefill, ready: list[int]) -> tuple:
-        """`Engine.insert`'s per-row arguments (slots, limits, stop ids, sampling) for the rows
-        `ready` of `job`; every other row is padding (slot -1)."""
-        rows = [job.rows[i] if i in ready else None for i in range(len(job.rows))]
+    def _insert_args(self, rows: Sequence[Request | None]) -> tuple:
+        """`Engine.insert`'s per-row arguments (slots, limits, stop ids, sampling) for `rows`;
+        None is a padding row (slot -1)."""
 
         def row(r: Request) -> SamplingRow:
             p = r.params
@@ -654,8 +664,8 @@ class Scheduler:
                 return
         prefix = self.engine.adopt(job.prefix) if self._apart else job.prefix
         try:
-            self._pool, first = self.engine.insert(self._pool, prefix,
-                                                   *self._insert_args(job, ready), self.top_n)
+            self._pool, first = self.engine.insert(
+                self._pool, prefix, *self._insert_args(_rows_of(job, ready)), self.top_n)
         except Exception as e:
             self._fail_all(_failure(e, "insert", "while inserting a request"))
             return
@@ -704,6 +714,8 @@ class Scheduler:
             return 0
         self._hand_over_finishing_slots()
         if not self._apart:
+            if self._start_short_prompts():
+                owners = list(self.decoding().items())
             if self._prefill is None:
                 self._prefill = self._start_prefill()
             job = self._prefill
@@ -734,7 +746,7 @@ class Scheduler:
         try:
             self._pool, job.prefix, tokens = self.engine.dispatch_decode_and_prefill(
                 self._pool, job.prefix, job.tokens[:, part], job.valid[:, part], job.start,
-                *self._insert_args(job, ready), self.top_n, self.cfg.serve_steps_per_call)
+                *self._insert_args(_rows_of(job, ready)), self.top_n, self.cfg.serve_steps_per_call)
         except Exception as e:  # the pool and the prefix were donated to the call
             self._fail_all(_failure(e, "decode call with a prefill chunk", "during decoding"))
             return 0
@@ -747,6 +759,48 @@ class Scheduler:
         self._dispatched(call)
         return cost
 
+    def _begin(self, r: Request) -> None:
+        """`r` leaves the queue: its text stream and its slot's stop ids."""
+        r.text = TextStream(self.tokenizer, r.params.stop, r.params.min_tokens,
+                            r.params.include_stop_str)
+        r.stop_ids = self.engine.stop_ids(r.params.stop_token_ids, r.params.ignore_eos)
+
+    def _decodes_prompt(self, r: Request) -> bool:
+        """Whether `r`'s prompt skips prefill, going through the decode steps instead
+        (`serve_decode_prompt_tokens`)."""
+        return not self._apart and len(r.prompt_ids) <= self.cfg.serve_decode_prompt_tokens \
+            and r.params.prompt_logprobs is None
+
+    def _start_short_prompts(self) -> bool:
+        """Waiting prompts at the head of the queue that skip prefill (`_decodes_prompt`) go
+        into free slots, to go through the next decode calls' steps (`Engine.insert_prompts`).
+        Returns whether any did."""
+        started = False
+        while True:
+            rows: list[Request] = []
+            with self._cv:  # in arrival order: a longer prompt at the head goes first
+                while self._waiting and self._free and len(rows) < self.prefill_batch \
+                        and self._decodes_prompt(self._waiting[0]):
+                    rows.append(self._waiting.popleft())
+                    rows[-1].slot = self._free.pop(0)
+            if not rows:
+                return started
+            for r in rows:
+                self._begin(r)
+                r.to_feed = len(r.prompt_ids) - 1
+                self._decoding[r.slot] = r  # held from here, so a failure below still ends it
+            padded = [*rows, *[None] * (self.prefill_batch - len(rows))]
+            try:
+                self._pool = self.engine.insert_prompts(
+                    self._pool, [r.prompt_ids if r else [] for r in padded],
+                    *self._insert_args(padded))
+            except Exception as e:
+                self._fail_all(_failure(e, "insert", "while inserting a request"))
+                return False
+            for r in rows:
+                self.metrics.prompt_tokens.inc(len(r.prompt_ids))
+            started = True
+
     def _hand_over_finishing_slots(self) -> None:
         """Free the slots of requests the in-flight call certainly ends (their limit falls
         within its steps): the device stops them itself before any later call, so a new
@@ -758,13 +812,19 @@ class Scheduler:
         # Inserted rows get their first token and `steps` - 1 more in the call.
         for r, produced in [*((r, r.produced) for _, r in call.owners),
                             *((r, 0) for _, r in call.inserted)]:
-            if not (r.done or r.handed_over) and produced + steps >= r.params.max_tokens:
+            # A row that fed prompt tokens in the call produces fewer than `steps` in it.
+            if not (r.done or r.handed_over or r.fed_in_flight) \
+                    and produced + steps >= r.params.max_tokens:
                 r.handed_over = True
                 self._free_slot(r.slot, on_device=False)
 
     def _dispatched(self, call: _InFlight | None) -> None:
         """`call` was dispatched (None: none this iteration): deliver the call before it, and
         without `serve_overlap` this one too."""
+        if call is not None:
+            for _, r in call.owners:
+                r.fed_in_flight = r.to_feed > 0
+                r.to_feed = max(0, r.to_feed - self.cfg.serve_steps_per_call)
         previous, self._in_flight_call = self._in_flight_call, None
         if previous is not None:
             self._in_flight_call = call  # failing, previous's delivery fails this call as well
