@@ -937,6 +937,17 @@ def test_non_finite_logits_fail_their_own_request_alone(tiny, monkeypatch, caplo
     assert "1 of 1 sequences hold tokens sampled from non-finite logits" in caplog.text
 
 
+def _poisoned_pool(engine, slots: int):
+    """A pool of `slots` slots full of another occupant's garbage: NaN states, huge lengths,
+    every slot active with tokens produced."""
+    pool = engine.new_pool(slots)
+    poisoned = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan) if a.dtype.kind == "f"
+                            else jnp.full_like(a, 97), pool.state)
+    return pool._replace(state=poisoned,
+                         slots=pool.slots._replace(active=jnp.ones(slots, bool),
+                                                   produced=jnp.full(slots, 5, jnp.int32)))
+
+
 def test_insert_overwrites_every_array_of_a_poisoned_slot(tiny):
     """Slots full of another occupant's garbage (NaN states, huge lengths, active flags) give
     exactly what a fresh batch gives, and padding rows (slot -1) write nowhere."""
@@ -944,12 +955,7 @@ def test_insert_overwrites_every_array_of_a_poisoned_slot(tiny):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (1, 31, 33, 64)]
     reference = engine.decode_batch(prompts, batch=4, top_n=2)
-    pool = engine.new_pool(4)
-    poisoned = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan) if a.dtype.kind == "f"
-                            else jnp.full_like(a, 97), pool.state)
-    pool = pool._replace(state=poisoned,
-                         slots=pool.slots._replace(active=jnp.ones(4, bool),
-                                                   produced=jnp.full(4, 5, jnp.int32)))
+    pool = _poisoned_pool(engine, 4)
     greedy = sampling.config_sampling(cfg, 2)
     stop = np.tile(engine.stop_ids(), (2, 1))
     order = [3, 1, 0, 2]  # slot of prompt i
@@ -979,12 +985,7 @@ def test_prompts_fed_through_decode_steps_equal_prefilled_ones(tiny):
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (1, 12, 5)]
     limits = [8, 8, 2]
     reference = engine.decode_batch(prompts, batch=4, top_n=2)
-    pool = engine.new_pool(4)
-    poisoned = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan) if a.dtype.kind == "f"
-                            else jnp.full_like(a, 97), pool.state)
-    pool = pool._replace(state=poisoned,
-                         slots=pool.slots._replace(active=jnp.ones(4, bool),
-                                                   produced=jnp.full(4, 5, jnp.int32)))
+    pool = _poisoned_pool(engine, 4)
     stop = np.tile(engine.stop_ids(), (4, 1))
     order = [3, 0, 2]  # slot of prompt i; slot 1 keeps its garbage (a padding row's slot)
     pool = engine.insert_prompts(pool, [*prompts, []], [*order, -1], [*limits, 8], stop,
