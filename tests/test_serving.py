@@ -979,6 +979,9 @@ def test_prompts_fed_through_decode_steps_equal_prefilled_ones(tiny):
     neighbours emit; limits count output tokens only; padding rows write nowhere; a seeded
     sampled row draws what it draws when prefilled."""
     cfg, _ = tiny
+    with pytest.raises(ConfigError, match=r"serve_decode_prompt_tokens must be in \[0, "
+                                          r"prefill_chunk_size=32\), got 32"):
+        cfg.replace(serve_decode_prompt_tokens=32)
     cfg = cfg.replace(serve_decode_prompt_tokens=12)
     engine = engine_for(cfg, seed=3)
     rng = np.random.default_rng(1)
