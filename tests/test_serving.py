@@ -1041,11 +1041,13 @@ def test_the_scheduler_feeds_short_prompts_through_decode_steps_like_prefilled_o
                 for i, (n, m) in enumerate(((3, 5), (12, 2), (1, 9), (40, 4), (9, 1), (7, 6),
                                             (12, 3), (2, 7), (33, 2), (5, 5)))]
     served = {}
+    # One engine for both schedulers (its pool has room to feed 12 tokens): the first never
+    # feeds a prompt, the second reuses the programs the first compiled.
+    engine = engine_for(cfg.replace(serve_decode_prompt_tokens=12, per_device_batch_size=3,
+                                    serve_prefill_batch=2), seed=3)
     for tokens in (0, 12):
-        short = cfg.replace(serve_decode_prompt_tokens=tokens, per_device_batch_size=3,
-                            serve_prefill_batch=2)
-        engine = engine_for(short, seed=3)
-        served[tokens], _ = serve(engine, short, requests)
+        served[tokens], _ = serve(engine, engine.cfg.replace(serve_decode_prompt_tokens=tokens),
+                                  requests)
         fed = {program for program, _ in engine._shapes_seen} >= {"insert prompts"}
         assert fed == bool(tokens), engine._shapes_seen
     prefilled, fed = served[0], served[12]
