@@ -452,7 +452,7 @@ class Engine:
         the decode steps one token a step, at most `feed_width` tokens; the step that reads its
         last token samples its first output token. Where a prefill chunk stalls every slot for
         its call, this costs only the slot's own steps. `pool` is consumed."""
-        width = self.feed_width
+        width = feed_width(self.cfg)
         tokens = np.full((len(prompts), width), -1, np.int32)
         for i, prompt in enumerate(prompts):
             if len(prompt) > width:
@@ -465,11 +465,6 @@ class Engine:
                                                                       params)])
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             return self._insert_prompts(pool, packed, layout=layout)
-
-    @property
-    def feed_width(self) -> int:
-        """The most prompt tokens `insert_prompts` takes (the pool's `feed` width)."""
-        return feed_width(self.cfg)
 
     def generate(self, pool: Pool, n_steps: int, top_n: int = 0) -> tuple[Pool, Tokens]:
         """Up to `n_steps` decode steps for every slot in one device call (fewer when every
