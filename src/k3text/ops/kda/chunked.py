@@ -34,7 +34,9 @@ The chunks are walked ``chunks_per_step`` at a time (a loop): each step computes
 own work together, then hands the state from chunk to chunk with two products each:
 ``[W; q * Gamma - A_qk W] S0`` (both reads of the state in one product) gives ``u = U - W S0``
 and ``o``, and ``S = diag(Gamma_C) S0 + (K * exp(G_C - G))^T u``, the keys kept transposed so
-the product is in the library's plain form. Doing the chunk work inside the loop keeps a few
+the product is in the library's plain form. A step's own work needs none of the state, so the
+loop computes it beside the hand-off of the step before, where XLA:CPU's two threads can run
+both at once. Doing the chunk work inside the loop keeps a few
 chunks' intermediates in cache; computed for the whole sequence up front, every elementwise
 step of it is a pass through memory, and those passes cost more than the products. For the same
 reason the loop reads each step's tokens straight out of the ``[B, T, H, K]`` inputs and writes
@@ -70,9 +72,9 @@ STEP_CHUNK_HEADS = 16
 
 class _ChunkTerms(NamedTuple):
     """A chunk's own work, leading dims ``[..., B, H]``."""
-    reads: jax.Array  # [..., 2C, K]: [W; q * Gamma - A_qk W], what multiplies S0
-    u_local: jax.Array  # [..., C, V]: U = T diag(beta) V
-    o_local: jax.Array  # [..., C, V]: A_qk U
+    queries: jax.Array  # [..., C, K]: q * Gamma
+    w_u: jax.Array  # [..., C, K + V]: [W | U]
+    a_w_u: jax.Array  # [..., C, K + V]: A_qk [W | U]
     keys_to_end: jax.Array  # [..., K, C]: (k * exp(G_C - G))^T
     decay: jax.Array  # [..., K]: Gamma_C
 
@@ -192,28 +194,33 @@ def _chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: j
     def whole(x: jax.Array) -> jax.Array:  # [..., M, S, D] -> [..., C, D]
         return x.reshape(*x.shape[:-3], m * s, x.shape[-1])
 
-    dk = q.shape[-1]
     to_leaf = jnp.exp(before)[..., None, :]  # exp(R_leaf), the decay before each leaf
-    beta_col = whole(beta[..., None])
-    w_u = jnp.matmul(inverse, beta_col * jnp.concatenate(
+    beta_row = whole(beta[..., None])[..., None, :, 0]  # [..., 1, C]: diag(beta) on T's side
+    w_u = jnp.matmul(inverse * beta_row, jnp.concatenate(
         [whole(k_from_start * to_leaf), whole(v)], axis=-1), precision=precision)
-    w, u_local = w_u[..., :dk], w_u[..., dk:]
     a_w_u = jnp.matmul(a_qk, w_u, precision=precision)
-    reads = jnp.concatenate([w, whole(q_from_start * to_leaf) - a_w_u[..., :dk]], axis=-2)
     leaf_to_end = jnp.exp(chunk_total[..., None, :] - before - total)[..., None, :]
     keys_to_end = jnp.swapaxes(whole(k_to_leaf_end * leaf_to_end), -1, -2)
-    return _ChunkTerms(reads, u_local, a_w_u[..., dk:], keys_to_end, jnp.exp(chunk_total))
+    # [W | U] and A_qk [W | U] are kept whole, as their products wrote them: a slice carried
+    # through the loop would be a copy.
+    return _ChunkTerms(whole(q_from_start * to_leaf), w_u, a_w_u, keys_to_end,
+                       jnp.exp(chunk_total))
 
 
 def _hand_off(state: jax.Array, chunk: _ChunkTerms,
               precision: jax.lax.PrecisionLike) -> tuple[jax.Array, jax.Array]:
     """One chunk's output and the state after it, from the state before it."""
-    c = chunk.u_local.shape[-2]
-    read = jnp.matmul(chunk.reads, state, precision=precision)  # [W S0; Q S0]
-    u = chunk.u_local - read[..., :c, :]
+    c, dk = chunk.w_u.shape[-2], state.shape[-2]
+    # [W; q * Gamma - A_qk W], what multiplies S0, made per chunk where its product reads it
+    # (no state needed, so off the chain); one array for a step's chunks would be sliced here,
+    # and each slice copied.
+    reads = jnp.concatenate([chunk.w_u[..., :dk], chunk.queries - chunk.a_w_u[..., :dk]],
+                            axis=-2)
+    read = jnp.matmul(reads, state, precision=precision)  # [W S0; Q S0]
+    u = chunk.w_u[..., dk:] - read[..., :c, :]
     state = chunk.decay[..., None] * state + jnp.matmul(chunk.keys_to_end, u,
                                                         precision=precision)
-    return state, read[..., c:, :] + chunk.o_local
+    return state, read[..., c:, :] + chunk.a_w_u[..., dk:]
 
 
 def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
@@ -256,15 +263,17 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     span = per_step * c  # tokens per step of the loop
     inputs = (q, k, v, g, beta)
 
-    def step(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        """``span`` tokens ``[B, span, H, ...]`` on from ``state`` -> (state, o ``[B, span, H,
-        V]``)."""
+    def terms(xs: tuple[jax.Array, ...]) -> _ChunkTerms:
+        """The own work of one step's chunks from its tokens ``[B, span, H, ...]``."""
         def leaves(a: jax.Array) -> jax.Array:  # -> [per_step, B, H, M, S, ...]
             a = a.astype(_f32).reshape(b, per_step, m, s, *a.shape[2:])
             return jnp.moveaxis(a, (1, 4), (0, 2))
 
-        chunks = _chunk_terms(*(leaves(x) for x in xs), product_leaves=product_leaves,
-                              precision=precision)
+        return _chunk_terms(*(leaves(x) for x in xs), product_leaves=product_leaves,
+                            precision=precision)
+
+    def hand_off(state: jax.Array, chunks: _ChunkTerms) -> tuple[jax.Array, jax.Array]:
+        """The state through one step's chunks -> (state, o ``[B, span, H, V]``)."""
         outputs = []
         for i in range(per_step):
             state, o = _hand_off(state, _ChunkTerms(*(x[i] for x in chunks)), precision)
@@ -272,21 +281,46 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
         o = jnp.stack(outputs, axis=1)  # [B, per_step, H, C, V]
         return state, jnp.swapaxes(o, 2, 3).reshape(b, span, h, dv)
 
-    def body(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        state, out = carry
-        xs = tuple(jax.lax.dynamic_slice_in_dim(x, i * span, span, axis=1) for x in inputs)
-        state, o = step(state, xs)
-        return state, jax.lax.dynamic_update_slice_in_dim(out, o, i * span, axis=1)
+    full, rest = divmod(t, span)
+    steps = full + (rest > 0)
+
+    def tokens(i: int | jax.Array) -> tuple[jax.Array, ...]:
+        if isinstance(i, int) and i == full:  # the last, partial step: right-padded
+            return tuple(jnp.pad(x[:, full * span:], [(0, 0), (0, span - rest)]
+                                 + [(0, 0)] * (x.ndim - 2)) for x in inputs)
+        return tuple(jax.lax.dynamic_slice_in_dim(x, i * span, span, axis=1) for x in inputs)
+
+    def write(out: jax.Array, o: jax.Array, i: int | jax.Array) -> jax.Array:
+        if isinstance(i, int) and i == full:
+            o = o[:, :rest]
+        return jax.lax.dynamic_update_slice_in_dim(out, o, i * span, axis=1)
+
+    # Each step's chunk work needs only its tokens, so it is computed beside the hand-off of
+    # the step before it, where XLA:CPU's threads can run the two side by side. Two steps per
+    # iteration: step 2j's terms come in the carry, step 2j + 1's are computed beside 2j's
+    # hand-off and step 2j + 2's (the carry out) beside 2j + 1's, held back by a barrier until
+    # 2j's hand-off has read its terms and written its output, so the carry's buffers are
+    # reused in place rather than copied.
+    def body(j: jax.Array, carry: tuple[jax.Array, jax.Array, _ChunkTerms]
+             ) -> tuple[jax.Array, jax.Array, _ChunkTerms]:
+        state, out, current = carry
+        following = terms(tokens(2 * j + 1))
+        state, o = hand_off(state, current)
+        state, o, after = jax.lax.optimization_barrier((state, o, tokens(2 * j + 2)))
+        out = write(out, o, 2 * j)
+        current = terms(after)
+        state, o = hand_off(state, following)
+        return state, write(out, o, 2 * j + 1), current
 
     state = jnp.zeros((b, h, dk, dv), _f32) if initial_state is None else \
         initial_state.astype(_f32)
-    full, rest = divmod(t, span)
     out = jnp.zeros((b, t, h, dv), _f32)
-    if full:
-        state, out = jax.lax.fori_loop(0, full, body, (state, out))
-    if rest:
-        xs = tuple(jnp.pad(x[:, full * span:], [(0, 0), (0, span - rest)]
-                           + [(0, 0)] * (x.ndim - 2)) for x in inputs)
-        state, o = step(state, xs)
-        out = jax.lax.dynamic_update_slice_in_dim(out, o[:, :rest], full * span, axis=1)
+    current = terms(tokens(0))
+    pairs = max(full - 1, 0) // 2  # the loop reads whole steps only, up to step 2 pairs
+    if pairs:
+        state, out, current = jax.lax.fori_loop(0, pairs, body, (state, out, current))
+    for i in range(2 * pairs, steps):  # one to three steps left
+        following = terms(tokens(i + 1)) if i + 1 < steps else None
+        state, o = hand_off(state, current)
+        out, current = write(out, o, i), following
     return out, state
