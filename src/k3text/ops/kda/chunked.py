@@ -36,12 +36,12 @@ own work together, then hands the state from chunk to chunk with two products ea
 and ``o``, and ``S = diag(Gamma_C) S0 + (K * exp(G_C - G))^T u``, the keys kept transposed so
 the product is in the library's plain form. A step's own work needs none of the state, so the
 loop computes it beside the hand-off of the step before, where XLA:CPU's two threads can run
-both at once. Doing the chunk work inside the loop keeps a few
-chunks' intermediates in cache; computed for the whole sequence up front, every elementwise
-step of it is a pass through memory, and those passes cost more than the products. For the same
-reason the loop reads each step's tokens straight out of the ``[B, T, H, K]`` inputs and writes
-its outputs in place: a reordered copy of the whole sequence is a buffer XLA:CPU allocates, and
-the operating system zero-fills page by page, on every call.
+both at once. Doing the chunk work inside the loop keeps a few chunks' intermediates in cache;
+computed for the whole sequence up front, every elementwise step of it is a pass through
+memory, and those passes cost more than the products. For the same reason the loop reads each
+step's tokens straight out of the ``[B, T, H, K]`` inputs and writes its outputs in place: a
+reordered copy of the whole sequence is a buffer XLA:CPU allocates, and the operating system
+zero-fills page by page, on every call.
 
 Cumulative decays are formed per leaf and offset per leaf, so the differences that become
 exponents are differences of small numbers, which keeps their rounding error small.
