@@ -243,6 +243,21 @@ def test_chunked_pads_a_last_partial_step_of_chunks_with_no_ops():
         np.testing.assert_allclose(np.asarray(s)[rows], s_ref[rows], rtol=5e-5, atol=5e-5)
 
 
+@pytest.mark.parametrize("t", [96, 133])
+def test_chunked_walks_the_steps_its_loop_leaves_over(t):
+    """The loop takes two steps an iteration and leaves one to three steps (the last partial)
+    after it. Here, a step a chunk of 32: 96 tokens leave one whole step after one iteration, 133
+    two whole steps and a partial one; the harness's lengths cover the other arrangements (1000:
+    a whole step and a partial one after the loop, 4096: two whole steps, 65: three steps and no
+    loop)."""
+    (q, k, v, g, beta), s0 = harness_inputs(t, jnp.float32, seed=7)
+    o_ref, s_ref = reference_f64(q, k, v, g, beta, s0)
+    o, s = _jit(kda_chunked, static_argnames=("chunks_per_step", "precision"))(
+        q, k, v, g, beta, s0, chunks_per_step=1, precision=HIGHEST)
+    np.testing.assert_allclose(np.asarray(o), o_ref, rtol=5e-5, atol=5e-5)
+    np.testing.assert_allclose(np.asarray(s), s_ref, rtol=5e-5, atol=5e-5)
+
+
 def test_chunked_refuses_a_chunk_that_is_not_whole_sub_chunks():
     (q, k, v, g, beta), s0 = harness_inputs(8, jnp.float32)
     with pytest.raises(ValueError, match="multiple of sub_chunk_size"):
