@@ -47,11 +47,12 @@ Sections (all by default):
   halving form whose loop still read reordered copies of the sequence (`halving`), all read
   from git (EARLIER_KDA), this tree's chunked form and the per-token recurrence.
 
-Pairs are measured interleaved (one call of each per round, after one warm-up call each), so
-load from other processes hits both sides of a ratio alike. torch runs with one thread unless
---torch-threads says otherwise: on a loaded 2-core machine torch's OpenMP pool stalls whenever
-one of its threads is preempted (the same fla call took 0.37-7.7 s with 2 threads, a steady
-0.20 s with 1), and one thread was torch's fastest setting here, so this favours the torch side.
+Pairs are measured interleaved (one call of each per round, in a new order each round, after
+one warm-up call each), so load from other processes hits both sides of a ratio alike. torch
+runs with one thread unless --torch-threads says otherwise: on a loaded 2-core machine torch's
+OpenMP pool stalls whenever one of its threads is preempted (the same fla call took 0.37-7.7 s
+with 2 threads, a steady 0.20 s with 1), and one thread was torch's fastest setting here, so
+this favours the torch side.
 
 Each section writes SECTION.jsonl (line 1: the machine; then one object per row), SECTION.csv
 and SECTION.png into --out (default benchmarks/results/baselines/), and prints its table with
@@ -63,6 +64,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import random
 import subprocess
 import sys
 import time
@@ -110,13 +112,18 @@ def ratio(a: float, b: float) -> str:
 def interleaved(runs: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, list[Any]]:
     """Call each run once to warm up (compile), then `repeats` rounds that call every run once,
     so a burst of load from other processes on a shared machine hits all of them alike and
-    their ratios stay fair. Returns each run's outputs, by name."""
+    their ratios stay fair. Each round calls them in a new order (seeded), so no run always
+    follows the same one: a multi-threaded program timed right after a long single-threaded
+    one starts with the other core idle, and ran a few percent slower there (the chunked KDA
+    prefill after the recurrence, benchmarks/README.md). Returns each run's outputs, by name."""
     for fn in runs.values():
         fn()
     outputs: dict[str, list[Any]] = {name: [] for name in runs}
+    order, shuffle = list(runs), random.Random(0).shuffle
     for _ in range(repeats):
-        for name, fn in runs.items():
-            outputs[name].append(fn())
+        shuffle(order)
+        for name in order:
+            outputs[name].append(runs[name]())
     return outputs
 
 
@@ -392,6 +399,16 @@ def kda_section(quick: bool) -> list[Row]:
         "tokamax_xla_chunked": tokamax_form("xla_chunked"),
     }
     peak = matmul_rate()
+    # One output per form and case (the warm-up's) is kept for the comparison; the timed runs'
+    # are freed at once, as a model's layers free theirs: outputs all kept alive would make
+    # every call write its output into freshly mapped pages.
+    first: dict[str, Any] = {}
+
+    def run(name: str, fn: Callable[[], Any]) -> float:
+        seconds, out = timed(fn)
+        first.setdefault(name, out)
+        return seconds
+
     rows = []
     for b, t in cases:
         inputs = kda_inputs(b, t)
@@ -403,27 +420,31 @@ def kda_section(quick: bool) -> list[Row]:
         tensors = [torch.from_numpy(inputs[a]) for a in KDA_FORMS["fla_naive_chunk"]]
         forms["fla_naive_chunk"] = lambda x=tensors: naive.naive_chunk_kda(
             *x, scale=1.0, chunk_size=64)[0]
+        first.clear()
         results = interleaved({"core_round_trip": benchlib.core_round_trip_ns,
-                               **{name: lambda fn=fn: timed(fn) for name, fn in forms.items()}},
+                               **{name: lambda n=name, fn=fn: run(n, fn)
+                                  for name, fn in forms.items()}},
                               repeats)
         trips = [ns for ns in results["core_round_trip"] if ns is not None]
         round_trip = benchlib.median(trips) if trips else None
-        reference = np.asarray(results["recurrent"][0][1])
+        reference = np.asarray(first["recurrent"])
         for name in KDA_FORMS:
             runs = results[name]
-            seconds = benchlib.median(s for s, _ in runs)
+            seconds = benchlib.median(runs)
             rate = flops.get(name) and flops[name] / seconds
             rows.append({"section": "kda", "form": name, "batch": b, "T": t,
                          "heads": KDA_HEADS, "head_dim": KDA_HEAD_DIM, "ms": seconds * 1e3,
-                         "fastest_ms": min(s for s, _ in runs) * 1e3,
+                         "fastest_ms": min(runs) * 1e3,
+                         "runs_ms": [run_s * 1e3 for run_s in runs],
                          "core_round_trip_ns": round_trip,
+                         "core_round_trips_ns": results["core_round_trip"],
                          "tokens_per_s": b * t / seconds,
                          "gflop": flops.get(name) and flops[name] / 1e9,
                          "gflop_per_s": rate and rate / 1e9,
                          "share_of_matmul_rate": rate and rate / peak,
                          "matmul_gflop_per_s": peak / 1e9,
                          "max_abs_diff_vs_recurrent": float(np.max(np.abs(
-                             np.asarray(runs[0][1]) - reference)))})
+                             np.asarray(first[name]) - reference)))})
     by = {(r["form"], r["batch"], r["T"]): r for r in rows}
     others = [f for f in KDA_FORMS if f != "recurrent"]
     print(table(["B", "T", *(f"{f} ms" for f in KDA_FORMS),
