@@ -25,7 +25,8 @@ Sections (all by default):
   (product diagonals) and without (pairwise diagonals, Kimi Linear's path), fla-core's
   `naive_chunk_kda` (torch), tokamax's `kimi_delta_attention` `xla` (its token-by-token
   recurrence) and `xla_chunked` (jit; K3's gate fused in, the only gate `xla_chunked` takes);
-  B=1 at T = 256 ... 16384 and B=8 at T = 4096 (H=4, K=V=128). Compile excluded; medians, and
+  B=1 at T = 256 ... 16384 and B=8 at T = 4096 (H=4, K=V=128). Each timed call follows an
+  untimed call of the same form. Compile excluded; medians, and
   in brackets the ratio of the fastest runs (XLA:CPU runs the chunked form's threaded products
   in fast and slow phases that last seconds: benchmarks/README.md); the max |difference| from
   the recurrence is printed as a check. A second table gives the achieved
@@ -405,6 +406,11 @@ def kda_section(quick: bool) -> list[Row]:
     first: dict[str, Any] = {}
 
     def run(name: str, fn: Callable[[], Any]) -> float:
+        # Each timed call follows an untimed one of the same form, as a model's layers follow
+        # one another: right after another form's long call (fla's single-threaded torch call,
+        # the recurrence), XLA:CPU's worker threads had sat idle and the chunked form's next
+        # call ran up to twice as long (benchmarks/README.md).
+        fn()
         seconds, out = timed(fn)
         first.setdefault(name, out)
         return seconds

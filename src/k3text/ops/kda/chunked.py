@@ -272,14 +272,13 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
         return _chunk_terms(*(leaves(x) for x in xs), product_leaves=product_leaves,
                             precision=precision)
 
-    def hand_off(state: jax.Array, chunks: _ChunkTerms) -> tuple[jax.Array, jax.Array]:
-        """The state through one step's chunks -> (state, o ``[B, span, H, V]``)."""
+    def hand_off(state: jax.Array, chunks: _ChunkTerms) -> tuple[jax.Array, list[jax.Array]]:
+        """The state through one step's chunks -> (state, each chunk's o ``[B, C, H, V]``)."""
         outputs = []
         for i in range(per_step):
             state, o = _hand_off(state, _ChunkTerms(*(x[i] for x in chunks)), precision)
-            outputs.append(o)
-        o = jnp.stack(outputs, axis=1)  # [B, per_step, H, C, V]
-        return state, jnp.swapaxes(o, 2, 3).reshape(b, span, h, dv)
+            outputs.append(jnp.swapaxes(o, 1, 2))
+        return state, outputs
 
     full, rest = divmod(t, span)
     steps = full + (rest > 0)
@@ -290,10 +289,15 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
                                  + [(0, 0)] * (x.ndim - 2)) for x in inputs)
         return tuple(jax.lax.dynamic_slice_in_dim(x, i * span, span, axis=1) for x in inputs)
 
-    def write(out: jax.Array, o: jax.Array, i: int | jax.Array) -> jax.Array:
+    def write(out: jax.Array, outputs: list[jax.Array], i: int | jax.Array) -> jax.Array:
+        # Chunk by chunk: each chunk's transposition and last sum fuse into its in-place
+        # update of ``out`` (a step's outputs stacked first were two more copies).
         if isinstance(i, int) and i == full:
-            o = o[:, :rest]
-        return jax.lax.dynamic_update_slice_in_dim(out, o, i * span, axis=1)
+            o = jnp.concatenate(outputs, axis=1)[:, :rest]
+            return jax.lax.dynamic_update_slice_in_dim(out, o, i * span, axis=1)
+        for n, o in enumerate(outputs):
+            out = jax.lax.dynamic_update_slice_in_dim(out, o, i * span + n * c, axis=1)
+        return out
 
     # Each step's chunk work needs only its tokens, so it is computed beside the hand-off of
     # the step before it, where XLA:CPU's threads can run the two side by side. Two steps per
