@@ -25,11 +25,11 @@ Sections (all by default):
   (product diagonals) and without (pairwise diagonals, Kimi Linear's path), fla-core's
   `naive_chunk_kda` (torch), tokamax's `kimi_delta_attention` `xla` (its token-by-token
   recurrence) and `xla_chunked` (jit; K3's gate fused in, the only gate `xla_chunked` takes);
-  B=1 at T = 256 ... 16384 and B=8 at T = 4096 (H=4, K=V=128). Each timed call follows an
-  untimed call of the same form. Compile excluded; medians, and
-  in brackets the ratio of the fastest runs (XLA:CPU runs the chunked form's threaded products
-  in fast and slow phases that last seconds: benchmarks/README.md); the max |difference| from
-  the recurrence is printed as a check. A second table gives the achieved
+  B=1 at T = 256 ... 16384 and B=8 at T = 4096 (H=4, K=V=128), nine rounds. Each timed call
+  of an XLA form follows untimed calls of the same form (KDA_SETTLE_S). Compile excluded;
+  medians, and in brackets the ratio of the fastest runs (XLA:CPU runs the chunked form's
+  threaded products in fast and slow phases that last seconds: benchmarks/README.md); the max
+  |difference| from the recurrence is printed as a check. A second table gives the achieved
   FLOP rate of the forms whose work is counted (`kda_flops`) beside the rate of a 2048^3 float32
   matmul measured in the same process.
 - loop: the tiny K3 (configs/models/k3-tiny.yml) at batch 1: the whole decode loop jitted
@@ -305,6 +305,7 @@ def load_fla_naive() -> Any:
 
 
 KDA_LOWER_BOUND = -5.0  # K3's gate; tokamax's xla_chunked implements only this gate form
+KDA_SETTLE_S = 0.1  # untimed calls of a form before each timed one, in seconds (at least one)
 
 
 def kda_inputs(b: int, t: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -390,7 +391,7 @@ def kda_flops(form: str, b: int, t: int, chunk: int | None = None) -> float | No
 
 
 def kda_section(quick: bool) -> list[Row]:
-    cases, repeats = (KDA_CASES_QUICK, 3) if quick else (KDA_CASES, 5)
+    cases, repeats = (KDA_CASES_QUICK, 3) if quick else (KDA_CASES, 9)
     naive = load_fla_naive()
     jitted = {
         "recurrent": kda_prefill_form("recurrent"),
@@ -406,11 +407,14 @@ def kda_section(quick: bool) -> list[Row]:
     first: dict[str, Any] = {}
 
     def run(name: str, fn: Callable[[], Any]) -> float:
-        # Each timed call follows an untimed one of the same form, as a model's layers follow
-        # one another: right after another form's long call (fla's single-threaded torch call,
-        # the recurrence), XLA:CPU's worker threads had sat idle and the chunked form's next
-        # call ran up to twice as long (benchmarks/README.md).
-        fn()
+        # Each timed call of an XLA form follows untimed calls of the same form (for
+        # KDA_SETTLE_S, or one call where a call takes longer), as a model's layers follow one
+        # another: right after another form's long call (fla's single-threaded torch call, the
+        # recurrence) XLA:CPU's worker threads had sat idle, and the chunked form's next calls
+        # ran slower (benchmarks/README.md). fla's torch form uses none of those threads.
+        start = time.perf_counter()
+        while name in jitted and time.perf_counter() - start < KDA_SETTLE_S:
+            fn()
         seconds, out = timed(fn)
         first.setdefault(name, out)
         return seconds
