@@ -21,9 +21,10 @@ every implementation is tested against (tests/test_kda_ops.py runs them all on t
 `resolve_prefill` turns ``auto`` into a name per backend, gate and head width, from what
 ``python benchmarks/baselines.py --only kda`` and the harness measured:
 - XLA:CPU: the chunked form for heads of 128 channels or more (K3's and Kimi Linear's):
-  1.05-1.3x the per-token scan at batch 1 up to 1,024 tokens, 1.6-1.8x at 4,096 and 16,384,
-  2.4-2.6x at batch 8 and 4,096. The per-token scan for narrower heads (the shipped and test
-  models'), whose small state update costs less than a chunk's C x C work;
+  with the two cores close, 1.8-1.9x the per-token scan at batch 1 and 256 or 1,024 tokens,
+  1.9-2.1x at 4,096 and 16,384, 3.2-3.4x at batch 8 and 4,096. The per-token scan for narrower
+  heads (the shipped and test models'), whose small state update costs less than a chunk's
+  C x C work;
 - TPU: tokamax's kernel for a gate with a lower bound (K3). With unbounded decays (Kimi Linear)
   the kernel's in-chunk factors overflow: at -33 per token its outputs are NaN where the other
   forms stay exact (tests/test_kda_ops.py records this), so those gates take the chunked form;
