@@ -305,7 +305,7 @@ def load_fla_naive() -> Any:
 
 
 KDA_LOWER_BOUND = -5.0  # K3's gate; tokamax's xla_chunked implements only this gate form
-KDA_SETTLE_S = 0.1  # untimed calls of a form before each timed one, in seconds (at least one)
+KDA_SETTLE_S = 0.1  # seconds of untimed calls of an XLA form before each timed one (at least one)
 
 
 def kda_inputs(b: int, t: int, seed: int = 0) -> dict[str, np.ndarray]:
