@@ -79,6 +79,7 @@ sys.path.insert(0, str(benchlib.ROOT / "tests"))  # hf_reference: the Kimi Linea
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import torch
 from flax import nnx
@@ -97,6 +98,8 @@ from k3text.tools.tables import table
 import hf_reference
 
 K3_TINY = CONFIG_DIR / "models" / "k3-tiny.yml"
+# In every table's title: CPU figures move with the jaxlib wheel (benchmarks/README.md).
+STACK = f"jax {jax.__version__} / jaxlib {jaxlib.__version__}"
 Row = dict[str, Any]
 
 
@@ -271,7 +274,8 @@ def transformers_section(quick: bool) -> list[Row]:
                   f"{r['k3text_weight_gb_s']:.1f} / {r['transformers_weight_gb_s']:.1f}",
                   f"{r['k3text_ttft_ms']:.0f} / {r['transformers_ttft_ms']:.0f}",
                   r["tokens_agree"]] for r in rows],
-                title=f"(a) decode, small Kimi Linear (hidden 512, 4 layers, 16 experts), "
+                title=f"[{STACK}] "
+                      f"(a) decode, small Kimi Linear (hidden 512, 4 layers, 16 experts), "
                       f"prompt {prompt_len}, {steps} new tokens, fp32, median of {repeats} "
                       f"interleaved runs; warm-up/compile excluded; forced = "
                       f"moe_dense_threshold=1, so the grouped kernel runs; weights read = "
@@ -466,7 +470,8 @@ def kda_section(quick: bool) -> list[Row]:
                   f"{max(by[f, b, t]['max_abs_diff_vs_recurrent'] for f in KDA_FORMS):.1e}",
                   benchlib.round_trip_text(by["recurrent", b, t]["core_round_trip_ns"])]
                  for b, t in cases],
-                title=f"(b) KDA prefill, H={KDA_HEADS} K=V={KDA_HEAD_DIM}, fp32, K3's gate "
+                title=f"[{STACK}] "
+                      f"(b) KDA prefill, H={KDA_HEADS} K=V={KDA_HEAD_DIM}, fp32, K3's gate "
                       f"(lower bound {KDA_LOWER_BOUND}); speed-ups over the per-token recurrence, "
                       f"of the median run (of the fastest run); jit compile excluded; the "
                       f"cores' round trip (benchlib.core_round_trip_ns) is the median of the "
@@ -477,7 +482,8 @@ def kda_section(quick: bool) -> list[Row]:
                     f"{by[f, b, t]['gflop_per_s']:.1f} ({by[f, b, t]['share_of_matmul_rate']:.0%})"
                     if by[f, b, t]["gflop_per_s"] else "-" for f in xla_forms)]
                  for b, t in cases],
-                title=f"    achieved rate (each form's FLOPs counted from its algorithm, see "
+                title=f"[{STACK}] "
+                      f"    achieved rate (each form's FLOPs counted from its algorithm, see "
                       f"kda_flops, / time) and its share of a 2048^3 fp32 matmul measured here: "
                       f"{peak / 1e9:.1f} GFLOP/s"))
     return rows
@@ -533,7 +539,8 @@ def loop_section(quick: bool) -> list[Row]:
     print(table(["form", "tokens/s", "ms/token", "whole loop speedup", "same tokens"],
                 [[r["form"], f"{r['tokens_per_s']:.1f}", f"{r['ms_per_token']:.3f}",
                   ratio(loop_tps, r["tokens_per_s"]), str(r["same_tokens"])] for r in rows],
-                title=f"(c) decode loop shape, k3-tiny, batch 1, {steps} tokens, median of "
+                title=f"[{STACK}] "
+                      f"(c) decode loop shape, k3-tiny, batch 1, {steps} tokens, median of "
                       f"{repeats} interleaved runs; compile excluded"))
     return rows
 
@@ -633,7 +640,8 @@ def ttft_section(quick: bool) -> list[Row]:
                   *(f"{by[m, n]['speedup_vs_old']:.2f}x" for n in TTFT_FORMS[1:]),
                   ratio(by[m, "halving"]["ttft_ms"], by[m, "chunked"]["ttft_ms"])]
                  for m in ("shipped", "kimi-linear-tiny")],
-                title=f"(e) time to first token (prefill of one {prompt_len}-token prompt in "
+                title=f"[{STACK}] "
+                      f"(e) time to first token (prefill of one {prompt_len}-token prompt in "
                       f"64-token chunks, batch 1) per KDA prefill form, median of "
                       f"{repeats} interleaved runs; compile excluded"))
     return rows
@@ -688,7 +696,8 @@ def mxfp4_section(quick: bool) -> list[Row]:
                   ratio(r["step_ms"], by[64, r["format"], r["moe_dense_threshold"]]),
                   ratio(r["step_ms"], by[r["experts"], "bf16", 0])
                   if r["moe_dense_threshold"] == 0 else "-"] for r in rows],
-                title=f"(d) k3-tiny decode step, batch 1, top-{rows[0]['top_k']}, on-device "
+                title=f"[{STACK}] "
+                      f"(d) k3-tiny decode step, batch 1, top-{rows[0]['top_k']}, on-device "
                       f"loop of {steps} steps, median of {repeats} interleaved runs; compile "
                       f"excluded. bf16 = unpacked experts in weight_dtype (float32 here)"))
     return rows

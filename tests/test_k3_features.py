@@ -33,9 +33,7 @@ def np_rms(x, eps):
 @pytest.mark.parametrize("lead", [(), (1,), (1, 1), (3,), (2, 5)])
 @pytest.mark.parametrize("out_in", [(48, 64), (256, 128)])
 def test_matmul_out_in_matches_numpy(lead, out_in):
-    """x @ kernel.T against numpy: several tokens take the einsum; one token takes the CPU form
-    of `ops.linear.project_out_in`, whose fused vector @ matrix.T form starts at 16K kernel
-    elements (256 x 128) and whose library form serves smaller kernels (48 x 64)."""
+    """x @ kernel.T against numpy, for one token and several, any leading shape."""
     cfg = tiny_config("k3-tiny")
     rng = np.random.default_rng(0)
     x, kernel = rng.normal(size=(*lead, out_in[1])), rng.normal(size=out_in)

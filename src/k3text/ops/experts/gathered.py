@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 from k3text.ops.experts.base import FP32, ExpertFFN, LayerExperts
-from k3text.ops.linear import project_out_in
 
 
 def gathered(x: jax.Array, weights: jax.Array, local_ids: jax.Array, experts: LayerExperts,
@@ -27,7 +26,7 @@ def gathered(x: jax.Array, weights: jax.Array, local_ids: jax.Array, experts: La
 
     # Expert matrices are [out, in]; one row is one token.
     def matvec(w: jax.Array, v: jax.Array) -> jax.Array:
-        return project_out_in(v, w, ffn.precision, FP32, computed_kernel=experts.packed)
+        return jnp.dot(w, v, precision=ffn.precision, preferred_element_type=FP32)
 
     def apply_expert(gate_up: jax.Array, down: jax.Array, row: jax.Array) -> jax.Array:
         return matvec(down, ffn.glu(matvec(gate_up, row)).astype(ffn.dtype))
