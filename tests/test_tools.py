@@ -276,3 +276,28 @@ def test_params_cli(capsys):
     assert params.main([str(K3)]) == 0
     out = capsys.readouterr().out
     assert "443.7 M" in out and "232.2 M" in out and "33.03 M" in out and "104.2 B" in out
+
+
+def test_paged_cache_holds_30x_the_fixed_slots_for_a_4k_128k_mix():
+    # v7x-16 accepting 1M-token requests: fixed slots each reserve 1M positions (56 fit); given
+    # out by the page, a mix of 90% 4K and 10% 128K sequences holds ~30x as many (864 B per
+    # token per device in bf16 + 13.6 MB of KDA state per sequence: 28.1 MB on average).
+    cfg = load_config(CONFIG_DIR / "inference" / "v7x16.yml", ["max_target_length=1048576"])
+    ctx = memory.mesh_context(cfg)
+    cost = memory.sequence_cost(cfg, ctx)
+    shards = memory.weight_shards(cfg, ctx)
+    free = HARDWARE["v7x"].hbm_per_device - sum(s.per_device for s in shards)
+    fixed = memory.max_batch(free, cost, memory.cache_positions(cfg, 1 << 20))
+    full, mix = memory.capacity_mixes(1 << 20).values()
+    assert fixed == 56
+    assert memory.paged_capacity(free, cost, full, 128) == fixed  # nothing to gain at 1M each
+    paged = memory.paged_capacity(free, cost, mix, 128)
+    mean = cost.kda + cost.per_position * (0.9 * 4096 + 0.1 * 131072)
+    assert paged == math.floor(free / mean) == 1826
+    assert paged >= 20 * fixed
+    # The recurrent state in bf16 halves its 13.1 MB per device: 1.31x more sequences.
+    bf16 = memory.with_recurrent_dtype(cfg, ctx, cost, "bfloat16")
+    assert bf16.kda == cost.kda - 434_110_464 // 32 // 2
+    assert memory.paged_capacity(free, bf16, mix, 128) == 2395
+    # Whole pages: a 4,097-token sequence holds 33 pages of 128 tokens.
+    assert memory.paged_positions(((1.0, 4097),), 128) == 4096 + 128

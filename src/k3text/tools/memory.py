@@ -1,14 +1,15 @@
 """Per-device memory: `python -m k3text.tools.memory CONFIG [key=value ...] [batch=N] [context=N]
-[--hardware v7x|v6e] [--hbm-gib G] [--reserve-gib G]`.
+[page=N] [--hardware v7x|v6e] [--hbm-gib G] [--reserve-gib G]`.
 
 Weights (by component) and decode state per device, from the shardings the stack really places
 them with (`sharding.state_shardings` on the parameters' logical axes, `STATE_AXES` for the
 decode state, the config's `logical_axis_rules`) on an abstract mesh of the config's shape, so
 any mesh size runs on one CPU. Then the capacity trade-off for a per-device HBM budget: the
 largest batch at a context, the longest context at a batch, where the constant KDA state
-and the growing MLA latent cache cross over, and what a prefix-cache block (its MLA rows and a
-KDA checkpoint) costs at each block size and how many fit beside the decode slots, and when a
-context-parallel prefill pays on the mesh and what one call moves.
+and the growing MLA latent cache cross over, how many sequences fit with the MLA cache given
+out by the page instead of reserved per slot (`page=` tokens per page), what a prefix-cache
+block (its MLA rows and a KDA checkpoint) costs at each block size and how many fit beside the
+decode slots, and when a context-parallel prefill pays on the mesh and what one call moves.
 
 Not included: XLA temporaries and activations, which depend on the compiled graph (measure them
 with `compiled.memory_analysis()`; set them aside with --reserve-gib).
@@ -151,6 +152,42 @@ def crossover_tokens(kda_bytes: float, cache_bytes_per_token: float) -> float:
 
 
 # --------------------------------------------------------------------------------------------
+# Paged capacity: the MLA cache given out by the page instead of reserved per slot.
+# --------------------------------------------------------------------------------------------
+
+# A workload: (share of the sequences, tokens each); the shares sum to 1.
+Mix = tuple[tuple[float, int], ...]
+
+
+def capacity_mixes(max_len: int) -> dict[str, Mix]:
+    """The workloads the paged capacity is shown for: every sequence at the longest context,
+    and a realistic mix of short chats and some long documents."""
+    return {f"every sequence at {tokens(max_len)}": ((1.0, max_len),),
+            "90% at 4K, 10% at 128K": ((0.9, 4096), (0.1, 131072))}
+
+
+def paged_positions(mix: Mix, page: int) -> float:
+    """Cache positions a sequence of `mix` holds on average: its tokens in whole pages."""
+    return sum(share * -(-n // page) * page for share, n in mix)
+
+
+def paged_capacity(free: float, cost: SequenceCost, mix: Mix, page: int) -> int:
+    """Most sequences of `mix` whose state fits in `free` bytes per device when the MLA cache
+    is given out in pages of `page` tokens: each sequence holds its own KDA state (one state
+    slot) and the pages its tokens fill, nothing for the context it does not use."""
+    return cost.rows * max(0, math.floor(free / cost.row_bytes(paged_positions(mix, page))))
+
+
+def with_recurrent_dtype(cfg: Config, ctx: sharding.MeshContext, cost: SequenceCost,
+                         dtype: str) -> SequenceCost:
+    """`cost` with the KDA recurrent state stored in `dtype` instead of float32 (the math stays
+    float32 inside a step; the report's 434 -> 217 MB per sequence in bfloat16)."""
+    recurrent = state_bytes_per_device(cfg, ctx, cost.rows, 0)["kda_recurrent"]
+    stored = recurrent * np.dtype(dtype).itemsize // np.dtype(np.float32).itemsize
+    return dataclasses.replace(cost, kda=cost.kda - recurrent + stored)
+
+
+# --------------------------------------------------------------------------------------------
 # Report.
 # --------------------------------------------------------------------------------------------
 
@@ -236,6 +273,25 @@ def _capacity_section(cfg: Config, free: float, cost: SequenceCost, batch: int,
     return "\n".join(out)
 
 
+def _paged_section(cfg: Config, ctx: sharding.MeshContext, free: float, cost: SequenceCost,
+                   page: int) -> str:
+    """Concurrent sequences with every slot reserving max_target_length against a paged MLA
+    cache and a KDA state pool, for each `capacity_mixes` workload."""
+    max_len = cfg.max_target_length
+    fixed = max_batch(free, cost, cache_positions(cfg, max_len))
+    bf16 = with_recurrent_dtype(cfg, ctx, cost, "bfloat16")
+    rows = []
+    for name, mix in capacity_mixes(max_len).items():
+        paged, paged_bf16 = (paged_capacity(free, c, mix, page) for c in (cost, bf16))
+        rows.append([name, f"{fixed:,}", f"{paged:,}", f"{paged / max(fixed, 1):.1f}x",
+                     f"{paged_bf16:,}", f"{paged_bf16 / max(paged, 1):.2f}x"])
+    return table(("workload", "fixed slots", "paged", "paged / fixed",
+                  "paged, bf16 KDA state", "bf16 / fp32 state"), rows,
+                 title=f"Concurrent sequences at max_target_length={max_len:,}: fixed slots "
+                       f"(each reserves max_target_length) vs a paged MLA cache ({page}-token "
+                       f"pages, page=) and a KDA state pool (one slot per sequence)")
+
+
 BLOCK_CHUNKS = (1, 2, 4, 8, 16, 32)  # prefix-cache block sizes shown, in prefill chunks
 
 
@@ -315,7 +371,7 @@ def _context_parallel_section(cfg: Config, ctx: sharding.MeshContext, context: i
 
 
 def render(cfg: Config, hardware: str, hbm: float, reserve: float, batch: int,
-           context: int) -> str:
+           context: int, page: int = 128) -> str:
     ctx = mesh_context(cfg)
     shards = weight_shards(cfg, ctx)
     cost = sequence_cost(cfg, ctx)
@@ -338,6 +394,7 @@ def render(cfg: Config, hardware: str, hbm: float, reserve: float, batch: int,
         sections.append(f"Capacity: {gib(hbm)} - weights {gib(weights)} - reserve "
                         f"{gib(reserve)} = {gib(free)} free per device for decode state\n"
                         + _capacity_section(cfg, free, cost, batch, context))
+        sections.append(_paged_section(cfg, ctx, free, cost, page))
         sections.append(_prefix_cache_section(cfg, ctx, free, cost, batch, context))
     sections.append(_context_parallel_section(cfg, ctx, context))
     sections.append("Not included: XLA temporaries and activations (compiled.memory_analysis(); "
@@ -346,7 +403,8 @@ def render(cfg: Config, hardware: str, hbm: float, reserve: float, batch: int,
 
 
 TOOL_KEYS = {"batch": "sequences decoded together (default: the config's global batch)",
-             "context": "tokens per sequence (default: max_target_length)"}
+             "context": "tokens per sequence (default: max_target_length)",
+             "page": "MLA cache tokens per page in the paged capacity table (default 128)"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -357,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="per-device bytes set aside for temporaries and activations")
 
     def body(args: argparse.Namespace, cfg: Config, keys: dict[str, int]) -> str:
-        for key in ("batch", "context"):
+        for key in TOOL_KEYS:
             if keys.get(key, 1) < 1:
                 raise ConfigError(f"{key}={keys[key]}: must be at least 1")
         for flag, value in (("--hbm-gib", args.hbm_gib), ("--reserve-gib", args.reserve_gib)):
@@ -374,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               f"{gib(hbm)} budget per device")
         return render(cfg, args.hardware, hbm, args.reserve_gib * GiB,
                       keys.get("batch", cfg.global_batch_size),
-                      keys.get("context", cfg.max_target_length))
+                      keys.get("context", cfg.max_target_length), keys.get("page", 128))
 
     return cli.run(p, argv, body, tuple(TOOL_KEYS))
 
