@@ -112,6 +112,22 @@ def test_kernel_matches_float64_sum(case, implementation, layout, k):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("layout", ["stacked", "split"])
+def test_gathered_gives_a_token_the_same_bits_alone_and_in_a_batch(case, layout):
+    """The hit-experts loop visits the slots grouped by expert (`slot_order`), across tokens: a
+    token's sum must still not depend on the other tokens' routing, bit for bit, as solo and
+    batched decoding compare (k = 3, so the order of a token's own terms shows)."""
+    held, _, _, x, rng = case
+    ids = np.stack([rng.permutation(HELD)[:3] for _ in range(TOKENS)]).astype(np.int32)
+    x32 = jnp.asarray(x, jnp.float32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (TOKENS, 3)), jnp.float32)
+    fn = jax.jit(functools.partial(experts.routed_experts, ffn=FFN, implementation="gathered"))
+    batched = np.asarray(fn(x32, weights, jnp.asarray(ids), held[layout]))
+    for n in range(TOKENS):
+        alone = fn(x32[n:n + 1], weights[n:n + 1], jnp.asarray(ids[n:n + 1]), held[layout])
+        np.testing.assert_array_equal(np.asarray(alone)[0], batched[n])
+
+
 @pytest.mark.parametrize("implementation", ["reference", "gathered"])
 def test_an_expert_no_token_routes_to_adds_nothing_even_when_not_finite(implementation):
     """Expert 3's weights are NaN and no slot routes to it: the reference, which computes every
