@@ -157,7 +157,8 @@ def test_eight_devices_equal_one_device_chunked(reference, mode, rows):
                         prefill_context_parallelism=rows)
     engine = engine_for(split, seed=4)
     assert engine.ctx.size("batch") == 2 and engine.ctx.size("cache_seq") == 4
-    _assert_prefixes_equal(engine.prefill(prompts[:1]), want_prefixes[rows], len(prompts[0]))
+    _assert_prefixes_equal(engine.prefill(prompts[:1]), want_prefixes[rows], len(prompts[0]),
+                           atol=2e-4)  # 8 devices sum the experts in another order
     # The offline driver's warm-up for prompts prefilled one at a time: every program at every
     # shape decode_batch then runs (the context-parallel prefix's insert included).
     engine.warm_up(4, prefill_batch=engine.ctx.size("batch"))
