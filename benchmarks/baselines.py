@@ -79,7 +79,6 @@ sys.path.insert(0, str(benchlib.ROOT / "tests"))  # hf_reference: the Kimi Linea
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 import torch
 from flax import nnx
@@ -99,7 +98,7 @@ import hf_reference
 
 K3_TINY = CONFIG_DIR / "models" / "k3-tiny.yml"
 # In every table's title: CPU figures move with the jaxlib wheel (benchmarks/README.md).
-STACK = f"jax {jax.__version__} / jaxlib {jaxlib.__version__}"
+STACK = benchlib.stack()
 Row = dict[str, Any]
 
 

@@ -31,6 +31,15 @@ _COLLECTIVE = re.compile(r"\s(all-reduce|all-gather|all-to-all|ragged-all-to-all
                          r"collective-permute|reduce-scatter)(?:-start)?\(")
 
 
+def stack() -> str:
+    """The jax and jaxlib wheels this process runs, for every table's title (CPU figures move
+    with the wheel). Imports jax: call it after XLA_FLAGS is set."""
+    import jax
+    import jaxlib
+
+    return f"jax {jax.__version__} / jaxlib {jaxlib.__version__}"
+
+
 def with_host_devices(flags: str, count: int) -> str:
     """XLA_FLAGS asking for `count` host (CPU) devices, unless `flags` already sets a count."""
     if HOST_DEVICES_FLAG in flags:

@@ -268,3 +268,23 @@ def test_kda_step_matches_sequence_path():
     np.testing.assert_allclose(jnp.stack(outs, 1), full, atol=1e-5)
     np.testing.assert_allclose(state.recurrent, final.recurrent, atol=1e-5)
     np.testing.assert_allclose(state.conv, final.conv, atol=1e-6)
+
+
+def test_a_bfloat16_kda_state_is_stored_as_such(setup):
+    """`kda_state_dtype: bfloat16` halves the recurrent state's bytes in the pool and the
+    prefix-cache store, and it is rounded there, not float32 under another name: the
+    log-probabilities move, and the first tokens of prompts shorter than a chunk (their state
+    rounded only after their logits) do not. How far it drifts is measured against float64 by
+    benchmarks/state_dtype.py; the shipped model keeps its answers (test_default_model.py)."""
+    cfg, model, engine = setup
+    narrow = engine_for(cfg.replace(kda_state_dtype="bfloat16"), model)
+    assert narrow.new_pool(2).state.kda_recurrent.dtype == jnp.bfloat16
+    assert narrow.new_store(2).kda_recurrent.dtype == jnp.bfloat16
+    assert engine.new_pool(2).state.kda_recurrent.dtype == jnp.float32
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (129, 40, 3)]
+    want, got = engine.decode_batch(prompts), narrow.decode_batch(prompts)
+    assert [lps[0] for lps in got.output_logprobs[1:]] == \
+        [lps[0] for lps in want.output_logprobs[1:]]
+    assert not np.allclose(np.concatenate(got.output_logprobs),
+                           np.concatenate(want.output_logprobs), atol=1e-6, rtol=0)

@@ -1,6 +1,6 @@
 """The shipped default model (assets/k3-small, trained by configs/train/k3-small.yml) answers
 held-in facts through the decode CLI: with its MXFP4 experts as shipped, with the same experts in
-BF16, and on 8 devices in both MoE modes."""
+BF16, with its KDA state stored in bfloat16, and on 8 devices in both MoE modes."""
 
 import json
 
@@ -48,6 +48,10 @@ def test_same_model_with_bf16_experts(held_in_file, tmp_path):
                load_model(cfg, ctx, cfg.load_parameters_path), bf16)
     assert load_config(CPU, [f"load_parameters_path={bf16}"]).expert_weight_format == "bf16"
     assert accuracy(CPU, held_in_file, tmp_path, f"load_parameters_path={bf16}") >= 0.95
+
+
+def test_same_model_with_a_bfloat16_kda_state(held_in_file, tmp_path):
+    assert accuracy(CPU, held_in_file, tmp_path, "kda_state_dtype=bfloat16") >= 0.95
 
 
 @pytest.mark.parametrize("mode", ["local", "all-to-all"])

@@ -64,6 +64,7 @@ _CHOICES = {
     "moe_a2a_transport": ("auto", "ragged", "padded"),
     "moe_expert_implementation": ("auto", "grouped", "gathered", "reference", "tokamax_mosaic"),
     "mla_cache_dtype": ("float32", "bfloat16", "float8_e4m3fn"),
+    "kda_state_dtype": ("float32", "bfloat16"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk", "nucleus", "composite"),
     "tokenizer_type": ("none", "byte", "tiktoken"),
     "jax_cpu_collectives": ("gloo", "mpi", "none"),

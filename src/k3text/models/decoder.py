@@ -232,11 +232,8 @@ class Decoder(nnx.Module):
 
         def run(mixer, spec, kda_slot, mla_slot, h, state):
             if spec.mixer == "kda":
-                layer_state = KDAState(state.kda_recurrent[kda_slot], state.kda_conv[kda_slot])
-                a, new = mixer(h, layer_state, valid, slices=slices)
-                return a, state._replace(
-                    kda_recurrent=_set(state.kda_recurrent, kda_slot, new.recurrent),
-                    kda_conv=_set(state.kda_conv, kda_slot, new.conv))
+                a, new = mixer(h, kda_state(state, kda_slot), valid, slices=slices)
+                return a, with_kda_state(state, kda_slot, new)
             a, cache = mixer(h, state.mla_cache[mla_slot], start, valid, slices=slices)
             return a, state._replace(mla_cache=_set(state.mla_cache, mla_slot, cache))
 
@@ -269,11 +266,8 @@ class Decoder(nnx.Module):
 
         def run(mixer, spec, kda_slot, mla_slot, h, state):
             if spec.mixer == "kda":
-                layer_state = KDAState(state.kda_recurrent[kda_slot], state.kda_conv[kda_slot])
-                a, new = mixer.step(h, layer_state)
-                return a, state._replace(
-                    kda_recurrent=_set(state.kda_recurrent, kda_slot, new.recurrent),
-                    kda_conv=_set(state.kda_conv, kda_slot, new.conv))
+                a, new = mixer.step(h, kda_state(state, kda_slot))
+                return a, with_kda_state(state, kda_slot, new)
             step = mixer.step if absorbed else mixer.step_materialised
             a, cache = step(h, state.mla_cache[mla_slot], positions)
             return a, state._replace(mla_cache=_set(state.mla_cache, mla_slot, cache))
@@ -306,16 +300,10 @@ class Decoder(nnx.Module):
             state, prefix = both
             h_step, h_chunk = h[:slots], h[slots:].reshape(rows, width, -1)
             if spec.mixer == "kda":
-                a_step, new = mixer.step(h_step, KDAState(state.kda_recurrent[kda_slot],
-                                                          state.kda_conv[kda_slot]))
-                a_chunk, new_p = mixer(h_chunk, KDAState(prefix.kda_recurrent[kda_slot],
-                                                         prefix.kda_conv[kda_slot]), valid)
-                state = state._replace(
-                    kda_recurrent=_set(state.kda_recurrent, kda_slot, new.recurrent),
-                    kda_conv=_set(state.kda_conv, kda_slot, new.conv))
-                prefix = prefix._replace(
-                    kda_recurrent=_set(prefix.kda_recurrent, kda_slot, new_p.recurrent),
-                    kda_conv=_set(prefix.kda_conv, kda_slot, new_p.conv))
+                a_step, new = mixer.step(h_step, kda_state(state, kda_slot))
+                a_chunk, new_p = mixer(h_chunk, kda_state(prefix, kda_slot), valid)
+                state = with_kda_state(state, kda_slot, new)
+                prefix = with_kda_state(prefix, kda_slot, new_p)
             else:
                 a_step, cache = mixer.step(h_step, state.mla_cache[mla_slot], positions)
                 a_chunk, cache_p = mixer(h_chunk, prefix.mla_cache[mla_slot], start, valid)
@@ -432,6 +420,18 @@ def stacked_state(state: DecodeState) -> DecodeState:
 def is_per_layer(state: DecodeState) -> bool:
     """Whether `per_layer_state` split this state's fields."""
     return any(isinstance(getattr(state, name), list) for name in _LAYER_STATES)
+
+
+def kda_state(state: DecodeState, slot: Any) -> KDAState:
+    """One KDA layer's state out of the decode state, its recurrent state in float32 whatever
+    `kda_state_dtype` stores it in: the delta rule always runs in float32."""
+    return KDAState(state.kda_recurrent[slot].astype(jnp.float32), state.kda_conv[slot])
+
+
+def with_kda_state(state: DecodeState, slot: Any, new: KDAState) -> DecodeState:
+    """`state` with one KDA layer's state replaced, rounded to the stored dtypes."""
+    return state._replace(kda_recurrent=_set(state.kda_recurrent, slot, new.recurrent),
+                          kda_conv=_set(state.kda_conv, slot, new.conv))
 
 
 def _set(stacked: jax.Array | list[jax.Array], slot: Any, value: jax.Array) -> Any:

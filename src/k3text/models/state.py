@@ -1,8 +1,9 @@
 """Decode state: what each sequence slot carries between steps, with shapes, dtypes and logical
 axes derived from the config.
 
-- `kda_recurrent` [n_kda, B, H, K, V] float32: the delta-rule state of every KDA layer
-  (K3: 69 x 96 x 128 x 128 x 4 B = 434 MB per sequence);
+- `kda_recurrent` [n_kda, B, H, K, V] in `kda_state_dtype`: the delta-rule state of every KDA
+  layer (K3: 69 x 96 x 128 x 128 x 4 B = 434 MB per sequence in float32); the layers read it
+  into float32 and round it back when they store it;
 - `kda_conv` [n_kda, B, W-1, 3, H*K]: the last W-1 inputs of the q, k and v short convolutions;
 - `mla_cache` [n_mla, B, S, kv_lora + rope] in `mla_cache_dtype`: the absorbed MLA latent cache
   (K3: 24 x 576 values per token);
@@ -41,7 +42,8 @@ def state_shapes(cfg: Config, batch: int, cache_len: int | None = None) -> Decod
     cache_len = cache_length(cfg) if cache_len is None else cache_len
     return DecodeState(
         kda_recurrent=jax.ShapeDtypeStruct(
-            (st.num_kda, batch, lin.num_heads, lin.head_dim, lin.head_dim), jnp.float32),
+            (st.num_kda, batch, lin.num_heads, lin.head_dim, lin.head_dim),
+            jnp.dtype(cfg.kda_state_dtype)),
         kda_conv=jax.ShapeDtypeStruct(
             (st.num_kda, batch, lin.short_conv_kernel_size - 1, 3, width), jnp.dtype(cfg.dtype)),
         mla_cache=jax.ShapeDtypeStruct(

@@ -180,10 +180,11 @@ def paged_capacity(free: float, cost: SequenceCost, mix: Mix, page: int) -> int:
 
 def with_recurrent_dtype(cfg: Config, ctx: sharding.MeshContext, cost: SequenceCost,
                          dtype: str) -> SequenceCost:
-    """`cost` with the KDA recurrent state stored in `dtype` instead of float32 (the math stays
-    float32 inside a step; the report's 434 -> 217 MB per sequence in bfloat16)."""
+    """`cost` with the KDA recurrent state stored in `dtype` instead of `kda_state_dtype` (the
+    math stays float32 inside a step; the report's 434 -> 217 MB per sequence in bfloat16)."""
     recurrent = state_bytes_per_device(cfg, ctx, cost.rows, 0)["kda_recurrent"]
-    stored = recurrent * np.dtype(dtype).itemsize // np.dtype(np.float32).itemsize
+    stored = state_bytes_per_device(cfg.replace(kda_state_dtype=dtype), ctx, cost.rows,
+                                    0)["kda_recurrent"]
     return dataclasses.replace(cost, kda=cost.kda - recurrent + stored)
 
 
