@@ -108,19 +108,7 @@ def _sequence_sharded(query: jax.Array, new_latent: jax.Array, cache: jax.Array,
                             preferred_element_type=FP32) * scale
         visible = (offset + jnp.arange(local))[None, :] <= positions[:, None]
         scores = jnp.where(visible[:, None], scores, -jnp.inf)
-        # Weights relative to the global maximum: every device's partial sums share one scale,
-        # so a single psum combines them.
-        peak = jax.lax.pmax(jnp.max(scores, axis=-1), seq_axes)
-        weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0)[..., None])
-        partial = jnp.einsum("bhs,bsc->bhc", weights.astype(dtype), latents,
-                             precision=precision, preferred_element_type=FP32)
-        sums = jnp.concatenate([partial, jnp.sum(weights, axis=-1, keepdims=True)], axis=-1)
-        if scatter:
-            merged = jax.lax.psum_scatter(sums, seq_axes, scatter_dimension=1, tiled=True)
-        else:
-            merged = jax.lax.psum(sums, seq_axes)
-        total = merged[..., -1:]
-        return merged[..., :-1] / jnp.where(total > 0, total, 1.0), cache
+        return _merge(scores, latents, seq_axes, scatter, precision, dtype), cache
 
     return jax.shard_map(
         body, mesh=ctx.shard_map_mesh(),
@@ -128,3 +116,131 @@ def _sequence_sharded(query: jax.Array, new_latent: jax.Array, cache: jax.Array,
         out_specs=(ctx.spec(("batch", "heads" if scatter else None, None)), cache_spec),
         check_vma=False,
     )(query, new_latent, cache, positions)
+
+
+def _merge(scores: jax.Array, latents: jax.Array, seq_axes: tuple[str, ...], scatter: bool,
+           precision: jax.lax.Precision | None, dtype: jnp.dtype) -> jax.Array:
+    """Inside `shard_map`: this device's masked scores [B, ..., H, S] over its positions'
+    `latents` [B, S, C], merged with every other device's into the softmax-weighted latent sum
+    over all positions, [B, ..., H, C] (each device's own heads only when `scatter`). Weights
+    are taken relative to the global maximum, so every device's partial sums share one scale
+    and one sum of the partials and their normalisers combines them."""
+    peak = jax.lax.pmax(jnp.max(scores, axis=-1), seq_axes)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0)[..., None])
+    partial = jnp.einsum("b...s,bsc->b...c", weights.astype(dtype), latents,
+                         precision=precision, preferred_element_type=FP32)
+    sums = jnp.concatenate([partial, jnp.sum(weights, axis=-1, keepdims=True)], axis=-1)
+    if scatter:
+        merged = jax.lax.psum_scatter(sums, seq_axes, scatter_dimension=sums.ndim - 2,
+                                      tiled=True)
+    else:
+        merged = jax.lax.psum(sums, seq_axes)
+    total = merged[..., -1:]
+    return merged[..., :-1] / jnp.where(total > 0, total, 1.0)
+
+
+# ---- the paged cache -------------------------------------------------------------------------
+# A pool of pages [P, page_size, C] shared by every sequence; a sequence's position p lives at
+# offset p % page_size of page `table[p // page_size]` (`inference/pages.py`). A step's rows each
+# bring a window of W new tokens at positions [start, start + count): one decode token (W = 1),
+# or a draft window to verify. Row padding (count < W, or a free row) writes into the null page 0,
+# whose contents nothing reads as a real position.
+
+
+def paged_positions(page_table: jax.Array, start: jax.Array, count: jax.Array, width: int,
+                    page_size: int) -> tuple[jax.Array, jax.Array]:
+    """(page, offset) [B, W] of each row's window positions start + w; the null page for the
+    row's padding (w >= count)."""
+    at = start[:, None] + jnp.arange(width)[None, :]
+    index = jnp.minimum(at // page_size, page_table.shape[1] - 1)
+    page = jnp.take_along_axis(page_table, index, axis=1)
+    return jnp.where(jnp.arange(width)[None, :] < count[:, None], page, 0), at % page_size
+
+
+def write_paged(pages: jax.Array, latent: jax.Array, page_table: jax.Array, start: jax.Array,
+                count: jax.Array) -> jax.Array:
+    """pages [P, S, C] with row b's window `latent[b, :count[b]]` ([B, W, C]) written at its
+    positions start[b] + w through its table row `page_table[b]` ([B, max pages])."""
+    page, offset = paged_positions(page_table, start, count, latent.shape[1], pages.shape[1])
+    return pages.at[page, offset].set(to_cache_dtype(latent, pages.dtype))
+
+
+def paged_attention_reference(query: jax.Array, pages: jax.Array, page_table: jax.Array,
+                              start: jax.Array, scale: float,
+                              precision: jax.lax.Precision | None, dtype: jnp.dtype,
+                              ) -> jax.Array:
+    """query [B, W, H, C] (row b's query w at position start[b] + w) over every position up to
+    its own, read through the page table: each row's pages gathered into one contiguous cache
+    [B, max pages x S, C], then `attention_reference`'s softmax. -> [B, W, H, C] fp32."""
+    rows, width = query.shape[:2]
+    cache = pages[page_table].reshape(rows, -1, pages.shape[-1])
+    at = start[:, None] + jnp.arange(width)[None, :]
+    latents = cache.astype(dtype)
+    scores = jnp.einsum("bwhc,bsc->bwhs", query.astype(dtype), latents, precision=precision,
+                        preferred_element_type=FP32) * scale
+    visible = jnp.arange(cache.shape[1])[None, None, :] <= at[:, :, None]
+    probs = jax.nn.softmax(jnp.where(visible[:, :, None], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bwhs,bsc->bwhc", probs.astype(dtype), latents, precision=precision,
+                      preferred_element_type=FP32)
+
+
+def paged_decode_attention(query: jax.Array, new_latent: jax.Array, pages: jax.Array,
+                           page_table: jax.Array, start: jax.Array, count: jax.Array,
+                           scale: float, precision: jax.lax.Precision | None,
+                           dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """Write each row's window `new_latent` [B, W, C] (its first `count` tokens) into `pages`
+    [P, S, C] through `page_table` [B, max pages] from `start` [B], then attend with `query`
+    [B, W, H, C], each query over the positions up to its own (fp32 out, [B, W, H, C]). Returns
+    (output, pages). With the pages' offsets split over `cache_seq` (`implementation`), each
+    device attends over its share of every page and the devices merge as `decode_attention`
+    does."""
+    if implementation() == "replicated":
+        pages = write_paged(pages, new_latent, page_table, start, count)
+        return paged_attention_reference(query, pages, page_table, start, scale, precision,
+                                         dtype), pages
+    return _paged_sequence_sharded(query, new_latent, pages, page_table, start, count, scale,
+                                   precision, dtype)
+
+
+def _paged_sequence_sharded(query: jax.Array, new_latent: jax.Array, pages: jax.Array,
+                            page_table: jax.Array, start: jax.Array, count: jax.Array,
+                            scale: float, precision: jax.lax.Precision | None,
+                            dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    ctx = sharding.active()
+    seq_axes, head_axes = ctx.axes("cache_seq"), ctx.axes("heads")
+    pages_spec = ctx.spec((None, "cache_seq", "kv_lora"))
+    rows_spec = ctx.spec(("batch", None))
+    scatter = bool(head_axes) and head_axes == seq_axes
+    page_size = pages.shape[1]
+    width = query.shape[1]
+
+    def body(query, new_latent, pages, page_table, start, count):
+        query = query.astype(dtype)
+        if head_axes:
+            query = jax.lax.all_gather(query, head_axes, axis=2, tiled=True)
+        local = pages.shape[1]  # this device's offsets of every page
+        first = ctx.axis_index("cache_seq") * local
+        page, offset = paged_positions(page_table, start, count, width, page_size)
+        mine = offset - first
+        owned = (mine >= 0) & (mine < local)
+        # A window position another device owns is written nowhere here: past the page's end.
+        pages = pages.at[page, jnp.where(owned, mine, local)].set(
+            to_cache_dtype(new_latent, pages.dtype), mode="drop")
+        rows = page_table.shape[0]
+        latents = pages[page_table].reshape(rows, -1, pages.shape[-1]).astype(dtype)
+        key_at = (jnp.arange(page_table.shape[1])[:, None] * page_size + first
+                  + jnp.arange(local)[None, :]).reshape(-1)
+        at = start[:, None] + jnp.arange(width)[None, :]
+        scores = jnp.einsum("bwhc,bsc->bwhs", query, latents, precision=precision,
+                            preferred_element_type=FP32) * scale
+        visible = key_at[None, None, :] <= at[:, :, None]
+        scores = jnp.where(visible[:, :, None], scores, -jnp.inf)
+        return _merge(scores, latents, seq_axes, scatter, precision, dtype), pages
+
+    return jax.shard_map(
+        body, mesh=ctx.shard_map_mesh(),
+        in_specs=(ctx.spec(("batch", None, "heads", None)), ctx.spec(("batch", None, None)),
+                  pages_spec, rows_spec, ctx.spec(("batch",)), ctx.spec(("batch",))),
+        out_specs=(ctx.spec(("batch", None, "heads" if scatter else None, None)), pages_spec),
+        check_vma=False,
+    )(query, new_latent, pages, page_table, start, count)
