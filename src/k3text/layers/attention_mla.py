@@ -17,6 +17,8 @@ tail broadcast to every head, never rotated.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -182,9 +184,11 @@ class MLAAttention(nnx.Module):
         o = self._attend_blocked(q, keys_from, q_pos, limit, block, blocks)
         return self._output(x, o), cache
 
-    def _attend_blocked(self, q: jax.Array, keys_from: jax.Array, q_pos: jax.Array,
-                        limit: jax.Array, block: int, blocks: jax.Array | int) -> jax.Array:
-        """Causal softmax attention of q [B,T,H,D] over the latents keys_from [B,S,latent],
+    def _attend_blocked(self, q: jax.Array, keys_from: jax.Array | Callable[[Any], jax.Array],
+                        q_pos: jax.Array, limit: jax.Array, block: int,
+                        blocks: jax.Array | int) -> jax.Array:
+        """Causal softmax attention of q [B,T,H,D] over the latents keys_from [B,S,latent] (or
+        a function giving block j's [B, block, latent]: a paged cache's pages),
         `block` keys at a time with a running max and sum (flash-attention style).
 
         Keys are materialised from the latent one block at a time; key p is visible to the query
@@ -193,10 +197,15 @@ class MLAAttention(nnx.Module):
         """
         batch, length, heads, _ = q.shape
         prec = precision_of(self.cfg)
+        if callable(keys_from):
+            block_at = keys_from
+        else:
+            def block_at(j):
+                return jax.lax.dynamic_slice_in_dim(keys_from, j * block, block, axis=1)
 
         def step(j, carry):
             peak, total, acc = carry
-            latent = jax.lax.dynamic_slice_in_dim(keys_from, j * block, block, axis=1)
+            latent = block_at(j)
             k, v = self._keys_values(latent)
             k = sharding.constrain(k, ("batch", None, "heads", None))
             scores = jnp.einsum("bthd,bshd->bhts", q, k, precision=prec,
@@ -222,9 +231,46 @@ class MLAAttention(nnx.Module):
         total = jnp.swapaxes(total, 1, 2)[..., None]
         return jnp.where(total > 0, acc / jnp.where(total > 0, total, 1.0), 0.0)
 
+    def paged_chunk(self, x: jax.Array, pages: jax.Array, table: jax.Array, start: jax.Array,
+                    count: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Rows of a step over the paged cache: x [B, T, hidden], row b one sequence's tokens
+        at positions [start[b], start[b] + count[b]) (padding after them), its pages
+        `table[b]`. The rows' latents are written into `pages` [P, page_size, latent] and each
+        query attends over its sequence's pages up to its own position, one page at a time
+        (keys materialised per page, as `__call__` does per block). -> (y, pages)."""
+        length = x.shape[1]
+        q_nope, q_rope = self._query(x)
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        pages = mla_ops.write_paged(pages, self.latent(x), table, start, count)
+        page_size = pages.shape[1]
+        limit = start + count
+        blocks = jnp.max(-(-limit // page_size))
+        o = self._attend_blocked(q, lambda j: pages[table[:, j]],
+                                 start[:, None] + jnp.arange(length)[None, :], limit, page_size,
+                                 jnp.minimum(blocks, table.shape[1]))
+        return self._output(x, o), pages
+
+    def paged_step(self, x: jax.Array, pages: jax.Array, table: jax.Array, start: jax.Array,
+                   count: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Absorbed decode over the paged cache, a window of W tokens per row: x [B, W, hidden]
+        at positions start[b] + w, the first count[b] real (`ops.mla.paged_decode_attention`).
+        One decode token per sequence is W = 1; a draft window to verify is W = k + 1.
+        -> (y [B, W, hidden], pages)."""
+        cfg = self.cfg
+        prec = precision_of(cfg)
+        dtype = compute_dtype(cfg)
+        q_nope, q_rope = self._query(x)
+        query = jnp.concatenate([self._absorbed_query(q_nope), q_rope.astype(FP32)], axis=-1)
+        o_latent, pages = mla_ops.paged_decode_attention(query, self.latent(x), pages, table,
+                                                         start, count, self.scale, prec, dtype)
+        o = jnp.einsum("...hc,hcv->...hv", o_latent[..., : cfg.kv_lora_rank].astype(dtype),
+                       self.v_b_proj[...].astype(dtype), precision=prec,
+                       preferred_element_type=FP32)
+        return self._output(x, o), pages
+
     def _absorbed_query(self, q_nope: jax.Array) -> jax.Array:
-        """q_nope [B, H, nope] -> latent-space query [B, H, kv_lora] through k_b_proj."""
-        return jnp.einsum("bhn,hcn->bhc", q_nope, self.k_b_proj[...].astype(q_nope.dtype),
+        """q_nope [..., H, nope] -> latent-space query [..., H, kv_lora] through k_b_proj."""
+        return jnp.einsum("...hn,hcn->...hc", q_nope, self.k_b_proj[...].astype(q_nope.dtype),
                           precision=precision_of(self.cfg), preferred_element_type=FP32)
 
     def step(self, x: jax.Array, cache: jax.Array, positions: jax.Array,

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from k3text import sharding
@@ -34,7 +35,7 @@ from k3text.layers.initializers import Init, weight_dtype
 from k3text.layers.mlp import MLP
 from k3text.layers.moe import MoE
 from k3text.layers.normalizations import RMSNorm
-from k3text.models.state import DecodeState
+from k3text.models.state import DecodeState, StepRows
 
 # (mixer, spec, kda slot, mla slot, normed input, state) -> (mixer output, state)
 MixerRun = Callable[[nnx.Module, LayerSpec, Any, Any, jax.Array, Any], tuple[jax.Array, Any]]
@@ -198,6 +199,15 @@ class Decoder(nnx.Module):
         logits = self.embed.attend(cfg, x) if cfg.tie_word_embeddings else self.lm_head(x)
         return logits.astype(jnp.float32)
 
+    def _logits_at(self, stream: Any, picked: jax.Array) -> jax.Array:
+        """Logits of the flat stream's tokens at `picked` only: the LM head runs on those."""
+        if self.cfg.attn_res_block_size:
+            stream = stream._replace(prefix_sum=stream.prefix_sum[picked],
+                                     blocks=stream.blocks[:, picked])
+        else:
+            stream = stream[picked]
+        return self._logits(stream)
+
     def _stream(self, tokens: jax.Array) -> Any:
         x = self.embed(tokens)
         if self.cfg.attn_res_block_size:
@@ -323,14 +333,93 @@ class Decoder(nnx.Module):
         # The slots' rows, then each chunk row's last real token.
         picked = jnp.concatenate([jnp.arange(slots),
                                   slots + jnp.arange(rows) * width + jnp.maximum(count - 1, 0)])
-        if self.cfg.attn_res_block_size:
-            stream = stream._replace(prefix_sum=stream.prefix_sum[picked],
-                                     blocks=stream.blocks[:, picked])
-        else:
-            stream = stream[picked]
-        logits = self._logits(stream)
+        logits = self._logits_at(stream, picked)
         return (logits[:slots], state._replace(lengths=positions + 1), logits[slots:],
                 prefix._replace(lengths=jnp.where(count > 0, start + count, prefix.lengths)))
+
+
+    def paged_step(self, short: StepRows, long: StepRows | None, state: DecodeState,
+                   ) -> tuple[jax.Array, jax.Array | None, DecodeState]:
+        """One step over the paged state (`models.state.paged_state_shapes`): every row of
+        `short` (decode windows: [R, W] tokens, W = 1 for one token per sequence) and of `long`
+        (prefill slices: [P, C] tokens; None for a decode-only step) in one pass. Every
+        token-wise sublayer runs once over the R x W + P x C tokens; the mixers run per kind of
+        row, each row from and into its sequence's KDA state slot and pages (rows with count 0
+        leave every state as it was). Returns the logits at each row's last real token,
+        [R, vocab] and [P, vocab] (garbage for count-0 rows), and the state."""
+        rows, width = short.tokens.shape
+        kinds = [short] if long is None else [short, long]
+        sizes = [k.tokens.size for k in kinds]
+
+        def split(h):
+            parts = jnp.split(h, np.cumsum(sizes)[:-1].tolist())
+            return [p.reshape(*k.tokens.shape, -1) for p, k in zip(parts, kinds, strict=True)]
+
+        def run(mixer, spec, kda_slot, mla_slot, h, state):
+            outs = []
+            if spec.mixer == "kda":
+                for kind, (h_kind, rows_of) in enumerate(zip(split(h), kinds, strict=True)):
+                    layer = kda_rows(state, kda_slot, rows_of)
+                    if kind == 0 and width == 1:
+                        a, new = mixer.step(h_kind[:, 0], layer)
+                        a = a[:, None]
+                    else:
+                        valid = jnp.arange(h_kind.shape[1])[None, :] < rows_of.count[:, None]
+                        a, new = mixer(h_kind, layer, valid)
+                    state = with_kda_rows(state, kda_slot, rows_of, new)
+                    outs.append(a.reshape(-1, a.shape[-1]))
+            else:
+                pages = state.mla_cache[mla_slot]
+                for kind, (h_kind, rows_of) in enumerate(zip(split(h), kinds, strict=True)):
+                    attend = mixer.paged_step if kind == 0 else mixer.paged_chunk
+                    a, pages = attend(h_kind, pages, rows_of.pages, rows_of.start,
+                                      rows_of.count)
+                    outs.append(a.reshape(-1, a.shape[-1]))
+                state = state._replace(mla_cache=_set(state.mla_cache, mla_slot, pages))
+            return jnp.concatenate(outs), state
+
+        came_stacked = not is_per_layer(state)
+        if not self.cfg.scan_layers:
+            state = per_layer_state(state)
+        flat = jnp.concatenate([k.tokens.reshape(-1) for k in kinds])
+        stream, state = self._layers(self._stream(flat), state, run)
+        if not self.cfg.scan_layers and came_stacked:
+            state = stacked_state(state)
+        picked, offset = [], 0
+        for kind in kinds:
+            n, w = kind.tokens.shape
+            picked.append(offset + jnp.arange(n) * w + jnp.maximum(kind.count - 1, 0))
+            offset += n * w
+        logits = self._logits_at(stream, jnp.concatenate(picked))
+        lengths = state.lengths
+        for kind in kinds:
+            lengths = lengths.at[jnp.where(kind.count > 0, kind.slot, lengths.shape[0])].set(
+                kind.start + kind.count, mode="drop")
+        state = state._replace(lengths=lengths)
+        return logits[:rows], (None if long is None else logits[rows:]), state
+
+
+def kda_rows(state: DecodeState, slot: Any, rows: StepRows) -> KDAState:
+    """One KDA layer's state of each row's slot (`rows.slot`), float32 (as `kda_state`); a row
+    at position 0 begins a sequence, from zeros, whatever its slot held before."""
+    at = jnp.maximum(rows.slot, 0)
+    fresh = rows.start == 0
+
+    def read(stacked):
+        held = stacked[slot][at]
+        return jnp.where(fresh.reshape(-1, *[1] * (held.ndim - 1)), 0, held)
+
+    return KDAState(read(state.kda_recurrent).astype(jnp.float32), read(state.kda_conv))
+
+
+def with_kda_rows(state: DecodeState, slot: Any, rows: StepRows, new: KDAState) -> DecodeState:
+    """`state` with each row's new KDA state in its slot, rows with count 0 written nowhere."""
+    recurrent, conv = state.kda_recurrent[slot], state.kda_conv[slot]
+    at = jnp.where(rows.count > 0, rows.slot, recurrent.shape[0])  # past the end: dropped
+    recurrent = recurrent.at[at].set(new.recurrent.astype(recurrent.dtype), mode="drop")
+    conv = conv.at[at].set(new.conv.astype(conv.dtype), mode="drop")
+    return state._replace(kda_recurrent=_set(state.kda_recurrent, slot, recurrent),
+                          kda_conv=_set(state.kda_conv, slot, conv))
 
 
 def group_slice(tree: Any, g: int) -> Any:

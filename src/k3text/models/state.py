@@ -8,6 +8,11 @@ axes derived from the config.
 - `mla_cache` [n_mla, B, S, kv_lora + rope] in `mla_cache_dtype`: the absorbed MLA latent cache
   (K3: 24 x 576 values per token);
 - `lengths` [B] int32: tokens already in each slot.
+
+The paged form (`paged_state_shapes`) is the same tuple with `mla_cache` a page pool
+`[n_mla, num_pages, page_size, kv_lora + rope]` shared by every sequence, whose positions are
+found through page tables (`inference/pages.py`); the KDA fields are then a pool of state
+slots, one per live sequence. A step reads it through `StepRows`.
 """
 
 from __future__ import annotations
@@ -58,6 +63,33 @@ STATE_AXES = DecodeState(
     mla_cache=("layers", "batch", "cache_seq", "kv_lora"),
     lengths=("batch",),
 )
+
+
+def paged_state_shapes(cfg: Config, slots: int, num_pages: int, page_size: int,
+                       ) -> DecodeState:
+    """ShapeDtypeStructs of the paged form: `slots` KDA state slots and a pool of `num_pages`
+    MLA pages of `page_size` positions."""
+    shapes = state_shapes(cfg, slots, cache_len=page_size)
+    pages = shapes.mla_cache
+    return shapes._replace(mla_cache=jax.ShapeDtypeStruct(
+        (pages.shape[0], num_pages, page_size, pages.shape[3]), pages.dtype))
+
+
+PAGED_STATE_AXES = STATE_AXES._replace(mla_cache=("layers", None, "cache_seq", "kv_lora"))
+
+
+class StepRows(NamedTuple):
+    """One kind of row of a step over the paged state, [R] per field (and [R, W] tokens): row r
+    is a window of one sequence's next tokens, at positions [start, start + count) (padding
+    after them), reading and writing KDA state slot `slot` and the pages of its table row
+    `pages` (unused entries the null page). A row with count 0 is padding: it changes no state.
+    """
+
+    tokens: jax.Array  # [R, W] int32
+    slot: jax.Array  # [R] int32
+    start: jax.Array  # [R] int32
+    count: jax.Array  # [R] int32
+    pages: jax.Array  # [R, max pages] int32
 
 
 def zeros(cfg: Config, batch: int, cache_len: int | None = None) -> DecodeState:

@@ -1,0 +1,154 @@
+"""The model's step over the paged state (`Decoder.paged_step`): prefill slices, decode tokens
+and multi-token windows of several sequences in one pass, each sequence in its own KDA state
+slot and scattered pages, against the full-sequence forward of each sequence alone, with
+garbage in every free page and free state slot before every step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3text.inference.pages import PageAllocator
+from k3text.layers.initializers import Init
+from k3text.models.decoder import Decoder
+from k3text.models.state import DecodeState, StepRows, paged_state_shapes
+
+from helpers import tiny_config
+
+SLOTS, PAGE, NUM_PAGES, TABLE, CHUNK, LONG_ROWS = 4, 8, 48, 16, 32, 2
+
+
+@pytest.fixture(scope="module", params=[("k3-tiny", "false"), ("kimi-linear-tiny", "false"),
+                                        ("k3-tiny", "true")], ids=lambda p: "-".join(p))
+def model(request):
+    """Unrolled layers (the state as per-layer lists) and scanned groups (stacked state)."""
+    name, scan = request.param
+    cfg = tiny_config(name, "max_target_length=128", f"scan_layers={scan}")
+    return Decoder(cfg, Init(11))
+
+
+@dataclasses.dataclass
+class Seq:
+    tokens: list[int]
+    slot: int
+    done: int = 0  # tokens through the model so far
+
+
+class Driver:
+    """Runs step plans [(sequence, tokens this step, 'short' | 'long')] through `paged_step`,
+    keeping pages with a `PageAllocator` whose free list is shuffled, and poisoning every
+    free page and free slot before each step."""
+
+    def __init__(self, model: Decoder, seqs: list[Seq], width: int, seed: int = 0):
+        self.model, self.seqs, self.width = model, seqs, width
+        self.rng = np.random.default_rng(seed)
+        self.pages = PageAllocator(NUM_PAGES, PAGE)
+        self.pages._free = list(self.rng.permutation(NUM_PAGES - 1) + 1)
+        shapes = paged_state_shapes(model.cfg, SLOTS, NUM_PAGES, PAGE)
+        self.state = jax.tree.map(lambda s: jnp.asarray(self._garbage(s.shape, s.dtype)), shapes)
+        self.step = nnx.jit(lambda m, short, long, state: m.paged_step(short, long, state))
+
+    def _garbage(self, shape, dtype):
+        if np.issubdtype(dtype, np.integer):
+            return self.rng.integers(0, 100, shape).astype(dtype)
+        return (self.rng.normal(size=shape) * 50).astype(dtype)
+
+    def _poison(self, live_slots: set[int]) -> None:
+        used = {p for i in range(len(self.seqs)) for p in self.pages.pages(i)}
+        free_pages = np.asarray(sorted(set(range(NUM_PAGES)) - used), np.int32)
+        free_slots = np.asarray(sorted(set(range(SLOTS)) - live_slots), np.int32)
+        s = self.state
+        pages = s.mla_cache.at[:, free_pages].set(
+            self._garbage((s.mla_cache.shape[0], len(free_pages), *s.mla_cache.shape[2:]),
+                          np.float32))
+        kda = [a.at[:, free_slots].set(self._garbage((a.shape[0], len(free_slots),
+                                                      *a.shape[2:]), np.float32))
+               for a in (s.kda_recurrent, s.kda_conv)]
+        self.state = DecodeState(*kda, pages, s.lengths)
+
+    def rows(self, plan, kind: str, n: int, width: int) -> tuple[StepRows, list]:
+        tokens = np.zeros((n, width), np.int32)
+        slot = np.full(n, -1, np.int32)
+        start, count = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        who = [None] * n
+        entries = [(i, k) for i, k, what in plan if what == kind]
+        for row, (i, k) in enumerate(entries):
+            seq = self.seqs[i]
+            row = seq.slot if kind == "short" else row  # short rows: one per slot, in order
+            tokens[row, :k] = seq.tokens[seq.done:seq.done + k]
+            slot[row], start[row], count[row], who[row] = seq.slot, seq.done, k, i
+            self.pages.reserve(i, seq.done + k)
+        table = self.pages.table(who, TABLE)
+        return StepRows(*map(jnp.asarray, (tokens, slot, start, count, table))), who
+
+    def run(self, plan) -> dict[int, np.ndarray]:
+        """One step; each sequence's logits at its last token of the step."""
+        short, short_who = self.rows(plan, "short", SLOTS, self.width)
+        has_long = any(what == "long" for *_, what in plan)
+        long, long_who = (self.rows(plan, "long", LONG_ROWS, CHUNK) if has_long
+                          else (None, []))
+        self._poison({self.seqs[i].slot for i, *_ in plan}
+                     | {s.slot for s in self.seqs if 0 < s.done < len(s.tokens)})
+        short_logits, long_logits, self.state = self.step(self.model, short, long, self.state)
+        out = {}
+        for logits, who in ((short_logits, short_who), (long_logits, long_who)):
+            for row, i in enumerate(who):
+                if i is not None:
+                    out[i] = np.asarray(logits[row])
+        for i, k, _ in plan:
+            self.seqs[i].done += k
+        return out
+
+
+def full_forward(model: Decoder, tokens: list[int]) -> np.ndarray:
+    return np.asarray(nnx.jit(lambda m, t: m.forward(t))(model, jnp.asarray([tokens])))[0]
+
+
+def test_slices_decode_tokens_and_windows_in_one_step_equal_each_sequence_alone(model):
+    rng = np.random.default_rng(0)
+    cfg = model.cfg
+    lengths = (47, 70, 5, 12)  # every token each sequence takes through the plans
+    seqs = [Seq(rng.integers(3, cfg.vocab_size, n).tolist(), slot) for n, slot
+            in zip(lengths, (2, 0, 3, 1), strict=True)]
+    want = [full_forward(model, s.tokens) for s in seqs]
+    driver = Driver(model, seqs, width=1)
+    plans = [
+        [(0, 32, "long"), (2, 4, "long")],  # two prompts' first slices
+        [(0, 13, "long"), (1, 32, "long"), (2, 1, "short")],  # a decode token rides along
+        [(1, 32, "long"), (2, 0, "short"), (3, 10, "long")],
+        [(0, 1, "short"), (1, 6, "long"), (3, 1, "short")],
+        [(0, 1, "short"), (3, 1, "short")],  # decode only: no long rows at all
+    ]
+    checked = 0
+    for plan in plans:
+        got = driver.run(plan)
+        for i, k, _ in plan:
+            if k:
+                at = seqs[i].done - 1
+                np.testing.assert_allclose(got[i], want[i][at], atol=2e-4, rtol=0,
+                                           err_msg=f"sequence {i} at {at}")
+                checked += 1
+    assert checked == 12
+    driver.pages.check()
+
+
+@pytest.mark.parametrize("width", [3])
+def test_a_window_of_tokens_equals_them_one_at_a_time(model, width):
+    """A short row of W tokens (a draft window to verify) leaves the state and gives the last
+    logits that W single-token steps do; a row of fewer than W real tokens pads the rest."""
+    rng = np.random.default_rng(1)
+    cfg = model.cfg
+    tokens = [rng.integers(3, cfg.vocab_size, 20).tolist() for _ in range(2)]
+    want = [full_forward(model, t) for t in tokens]
+    seqs = [Seq(tokens[0], 1), Seq(tokens[1], 3)]
+    driver = Driver(model, seqs, width=width, seed=2)
+    driver.run([(0, 9, "long"), (1, 14, "long")])
+    for plan in ([(0, 3, "short"), (1, 2, "short")], [(0, 1, "short"), (1, 3, "short")]):
+        got = driver.run(plan)
+        for i, _, _ in plan:
+            np.testing.assert_allclose(got[i], want[i][seqs[i].done - 1], atol=2e-4, rtol=0)
