@@ -18,7 +18,7 @@ from k3text.layers.initializers import Init
 from k3text.models.decoder import Decoder
 from k3text.models.state import DecodeState, StepRows, paged_state_shapes
 
-from helpers import tiny_config
+from helpers import assert_same_greedy, engine_for, tiny_config
 
 SLOTS, PAGE, NUM_PAGES, TABLE, CHUNK, LONG_ROWS = 4, 8, 48, 16, 32, 2
 
@@ -152,3 +152,44 @@ def test_a_window_of_tokens_equals_them_one_at_a_time(model, width):
         got = driver.run(plan)
         for i, _, _ in plan:
             np.testing.assert_allclose(got[i], want[i][seqs[i].done - 1], atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["k3-tiny", "kimi-linear-tiny"])
+def test_the_paged_engine_decodes_as_the_slot_engine_does(name):
+    """`Engine.decode_paged` (prompts prefilled in slices straight into their slots and pages,
+    started slots decoding beside the others' slices, then the decode loop) against
+    `decode_batch` (prefill, insert, generate over fixed slot rows), with a page pool of
+    little more than half the positions the fixed rows reserve."""
+    cfg = tiny_config(name, "max_prefill_predict_length=192", "max_target_length=256",
+                      "prefill_chunk_size=64", "max_decode_steps=6", "ignore_eos=true")
+    engine = engine_for(cfg, seed=7)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 70, 1, 129)]
+    num_pages, page = 40, 16
+    assert num_pages * page < 0.7 * len(prompts) * 256
+    want = engine.decode_batch(prompts, top_n=2)
+    got = engine.decode_paged(prompts, num_pages=num_pages, page_size=page, top_n=2)
+    assert_same_greedy(got.output_ids, want.output_ids, want.output_top_logprobs,
+                       got.output_logprobs, want.output_logprobs)
+    np.testing.assert_allclose(np.asarray(got.output_top_logprobs),
+                               np.asarray(want.output_top_logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["local", "all_to_all"])
+def test_pages_split_over_8_devices_decode_as_one_device(mode):
+    """Tensor 2 x expert 4, each page's offsets split 8 ways (`cache_seq`), both MoE modes."""
+    cfg = tiny_config("k3-tiny", "max_prefill_predict_length=112", "max_target_length=128",
+                      "prefill_chunk_size=16", "kda_chunk_size=16", "max_decode_steps=8",
+                      "ignore_eos=true")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (100, 37, 5)]
+    want = engine_for(cfg, seed=4).decode_batch(prompts, batch=4, top_n=2)
+    split = engine_for(cfg.replace(ici_tensor_parallelism=2, ici_expert_parallelism=4,
+                                   moe_ep_mode=mode), seed=4)
+    assert split.ctx.size("cache_seq") == 8
+    pool = split.new_paged_pool(4, 24, 16)
+    assert {s.data.shape[2] for s in jax.tree.leaves(pool.state.mla_cache)[0]
+            .addressable_shards} == {2}
+    got = split.decode_paged(prompts, num_pages=24, page_size=16, batch=4)
+    assert_same_greedy(got.output_ids, want.output_ids, want.output_top_logprobs,
+                       got.output_logprobs, want.output_logprobs)

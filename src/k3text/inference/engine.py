@@ -49,6 +49,7 @@ from jax.experimental import multihost_utils
 from k3text import sharding
 from k3text.config import Config, ConfigError
 from k3text.inference import prefix_cache, sampling, weights
+from k3text.inference.pages import PageAllocator
 from k3text.inference.prefix_cache import STORE_AXES, PrefixCache, PrefixStore
 from k3text.inference.sampling import SlotSampling
 from k3text.layers.initializers import Init
@@ -60,7 +61,15 @@ from k3text.models.decoder import (
     split_for_unrolled,
     stacked_state,
 )
-from k3text.models.state import STATE_AXES, DecodeState, cache_length, state_shapes
+from k3text.models.state import (
+    PAGED_STATE_AXES,
+    STATE_AXES,
+    DecodeState,
+    StepRows,
+    cache_length,
+    paged_state_shapes,
+    state_shapes,
+)
 
 log = logging.getLogger("k3text.engine")
 
@@ -195,6 +204,12 @@ class Engine:
                                                  self.layout),
                                            static_argnames=("layout", "top_n", "n_steps"),
                                            donate_argnames=("pool", "prefix"))
+        self._paged_step = jax.jit(bound(packed_paged_step_program, cfg, self.layout),
+                                   static_argnames=("layout", "top_n", "n_steps"),
+                                   donate_argnames=("pool",))
+        self._paged_generate = jax.jit(bound(paged_generate_program, cfg, self.layout),
+                                       static_argnames=("max_steps", "top_n"),
+                                       donate_argnames=("pool",))
         self._restore = jax.jit(prefix_cache.restore_program, donate_argnames=("state",))
         self._save = jax.jit(prefix_cache.save_program, donate_argnames=("store",))
         self._step = jax.jit(bound(_step_program, cfg, self.layout),
@@ -522,6 +537,134 @@ class Engine:
 
         return pool, prefix, Later((out, first, rest), tokens_of)
 
+    # ---- the paged pool (beside the programs above, which it replaces) ---------------------
+
+    def new_paged_pool(self, slots: int, num_pages: int, page_size: int) -> Pool:
+        """An empty paged pool: `slots` KDA state slots and sampling rows, and `num_pages` MLA
+        pages of `page_size` positions (`models.state.paged_state_shapes`)."""
+        shapes, axes = _pool_state_form(self.cfg, paged_state_shapes(self.cfg, slots, num_pages,
+                                                                     page_size),
+                                        PAGED_STATE_AXES)
+        return Pool(self._zero(f"paged {num_pages} x {page_size}", slots, shapes, axes),
+                    self._zero("slots", slots, pool_shapes(self.cfg, slots).slots, SLOT_AXES))
+
+    def paged_step(self, pool: Pool, table: np.ndarray, long: Sequence[np.ndarray],
+                   ends: np.ndarray, limits: Sequence[int], stop_ids: np.ndarray,
+                   params: SlotSampling, top_n: int = 0, n_steps: int = 1,
+                   ) -> tuple[Pool, Tokens, Tokens, Tokens | None]:
+        """`paged_step_program`: every active slot's next token (its pages `table` [S, max
+        pages], host array) with the prefill rows `long` (the host arrays of a `StepRows`,
+        [P, C] tokens) in one call, rows that `ends` their prompt starting their slots with
+        `limits`, `stop_ids` and `params`; then `n_steps` - 1 decode steps. `pool` is consumed.
+        Returns the pool, the first step's tokens, the long rows' first tokens and the tokens
+        of the steps after it (None for `n_steps` 1)."""
+        rows = long[0].shape
+        self._note_shape("paged step", "{} slots x {} steps + {} x {} tokens".format(
+            pool.slots.tokens.shape[0], n_steps, *rows))
+        packed, layout = self._global_rows([*(np.asarray(a, np.int32) for a in long),
+                                            np.asarray(ends, bool),
+                                            *_row_arguments(long[1], limits, stop_ids,
+                                                            params)[1:]])
+        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
+            pool, out, first, rest = self._paged_step(
+                self._weights, pool, self._global(np.asarray(table, np.int32), ("batch", None)),
+                packed, layout=layout, top_n=top_n, n_steps=n_steps)
+            out, first, rest = _to_host((out, first, rest))
+        return (pool, _tokens(out), Tokens(*first[:4], np.ones(rows[0], np.int32), first[4]),
+                None if rest is None else _tokens(rest))
+
+    def paged_generate(self, pool: Pool, table: np.ndarray, n_steps: int, top_n: int = 0,
+                       ) -> tuple[Pool, Tokens]:
+        """`generate` over the paged pool, the slots' pages `table` [S, max pages] (reserved
+        for every step beforehand). `pool` is consumed."""
+        self._note_shape("paged generate", f"{pool.slots.tokens.shape[0]} slots x {n_steps} "
+                                           f"steps")
+        with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
+            pool, out = self._paged_generate(
+                self._weights, pool, self._global(np.asarray(table, np.int32), ("batch", None)),
+                max_steps=n_steps, top_n=top_n)
+        return pool, _tokens(_to_host(out))
+
+    def decode_paged(self, prompts: Sequence[Sequence[int]], num_pages: int, page_size: int,
+                     batch: int | None = None, max_steps: int | None = None,
+                     seed: int | None = None, limits: Sequence[int] | None = None,
+                     top_n: int = 0) -> Generation:
+        """`decode_batch` on the paged pool: each prompt prefilled in `prefill_chunk_size`
+        slices straight into its slot and pages (every prompt's next slice in one call, the
+        slots already started decoding beside them), then the decode loop, pages reserved by a
+        `PageAllocator` as the sequences grow."""
+        cfg = self.cfg
+        max_steps = cfg.max_decode_steps if max_steps is None else max_steps
+        batch = batch or len(prompts)
+        limits = [max_steps] * len(prompts) if limits is None else list(limits)
+        check_prompts(cfg, prompts, max(limits))
+        seed = cfg.seed if seed is None else seed
+        chunk, width = cfg.prefill_chunk_size, -(-cache_length(cfg) // page_size)
+        pages = PageAllocator(num_pages, page_size)
+        slots = list(range(len(prompts)))
+        stop = np.tile(self.stop_ids(), (batch, 1))
+        params = sampling.config_sampling(cfg, batch, [seed + i for i in range(batch)])
+        pool = self.new_paged_pool(batch, num_pages, page_size)
+        lengths = [0] * batch  # positions cached per slot
+        started = [False] * batch
+        outputs: list[list[tuple]] = [[] for _ in prompts]
+        t0 = time.perf_counter()
+
+        def reserve(steps: int) -> np.ndarray:
+            for i in slots:
+                if started[i]:
+                    pages.reserve(i, min(lengths[i] + steps, cache_length(cfg)))
+            return pages.table([*slots, *[None] * (batch - len(slots))], width)
+
+        def collect(tokens: Tokens) -> None:
+            for i in slots:
+                for j in range(int(tokens.count[i])):
+                    outputs[i].append((tokens.ids[i, j], tokens.logprobs[i, j],
+                                       tokens.top_ids[i, j], tokens.top_logprobs[i, j]))
+                    lengths[i] += 1
+        active, done = np.zeros(batch, bool), [0] * len(prompts)
+        while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
+            tokens = np.zeros((batch, chunk), np.int32)
+            slot_of, start, count = np.full(batch, -1), np.zeros(batch), np.zeros(batch)
+            for i, p in enumerate(prompts):
+                n = min(chunk, len(p) - done[i])
+                if n > 0:
+                    tokens[i, :n] = p[done[i]:done[i] + n]
+                    slot_of[i], start[i], count[i] = i, done[i], n
+                    pages.reserve(i, done[i] + n)
+            table = reserve(1)
+            ends = np.asarray([count[i] > 0 and done[i] + count[i] == len(p)
+                               for i, p in enumerate(prompts)] + [False] * (batch - len(prompts)))
+            long = (tokens, slot_of, start, count, pages.table(
+                [i if count[i] else None for i in range(batch)], width))
+            pool, step, first, _ = self.paged_step(pool, table, long, ends,
+                                                   [*limits, *[1] * (batch - len(limits))],
+                                                   stop, params, top_n)
+            collect(step)
+            for i in range(len(prompts)):
+                done[i] += int(count[i])
+                lengths[i] += int(count[i])
+                if ends[i]:
+                    started[i] = True
+                    outputs[i].append((first.ids[i], first.logprobs[i], first.top_ids[i],
+                                       first.top_logprobs[i]))
+            active = step.active | (ends & first.active)
+        t1 = time.perf_counter()
+        steps = 1
+        if max_steps > 1 and active.any():
+            pool, rest = self.paged_generate(pool, reserve(max_steps), max_steps - 1, top_n)
+            collect(rest)
+            steps += rest.steps
+        t2 = time.perf_counter()
+        eos = None if cfg.ignore_eos else cfg.eos_token_id
+        ids = [[int(t[0]) for t in out] for out in outputs]
+        return Generation(
+            [list(p) for p in prompts], ids, [[float(t[1]) for t in out] for out in outputs],
+            ["eos" if eos is not None and o[-1] == eos else "length" for o in ids], t1 - t0,
+            t2 - t1, steps,
+            *(([[t[2].tolist() for t in out] for out in outputs],
+               [[t[3].tolist() for t in out] for out in outputs]) if top_n else (None, None)))
+
     def release(self, pool: Pool, slots: Sequence[int]) -> Pool:
         """Mark `slots` free (their state is left; the next `insert` overwrites all of it);
         -1 entries are ignored."""
@@ -847,16 +990,25 @@ def insert_program(pool: Pool, prefix: Prefix, slots: jax.Array, limit: jax.Arra
     """Prefix row i into slot `slots[i]` (every array of the slot written; -1: dropped), with
     its first token sampled. Returns the pool and (first, logprob, top ids, top logprobs,
     active) per row."""
-    rows, vocab = prefix.logits.shape[0], pool.slots.counts.shape[1]
+    new, out = _started(prefix.logits, limit, stop_ids, params, top_n, pool.slots.feed.shape[1])
+    return _write_slots(pool, slots, prefix.state, new), out
+
+
+def _started(logits: jax.Array, limit: jax.Array, stop_ids: jax.Array, params: SlotSampling,
+             top_n: int, feed: int) -> tuple[Slots, tuple]:
+    """The slot rows of sequences whose prompts ended with `logits` [P, vocab], each one's first
+    token sampled with its own parameters, and (first, logprob, top ids, top logprobs,
+    active)."""
+    rows, vocab = logits.shape
     nothing_yet = jnp.zeros((rows, vocab), jnp.int32)
     first, lp, top_ids, top_lps = sampling.sample_slots(
-        prefix.logits, params, jnp.zeros(rows, jnp.int32), top_n, stop_ids,
+        logits, params, jnp.zeros(rows, jnp.int32), top_n, stop_ids,
         sampling.History(nothing_yet, sampling.prompt_tokens(params, vocab)))
     active = ~(_is_stop(first, stop_ids) | (limit <= 1))
     new = Slots(tokens=first, active=active, produced=jnp.ones(rows, jnp.int32), limit=limit,
                 stop_ids=stop_ids, counts=_counted(nothing_yet, first, jnp.ones(rows, bool)),
-                sampling=params, feed=jnp.full((rows, pool.slots.feed.shape[1]), -1, jnp.int32))
-    return _write_slots(pool, slots, prefix.state, new), (first, lp, top_ids, top_lps, active)
+                sampling=params, feed=jnp.full((rows, feed), -1, jnp.int32))
+    return new, (first, lp, top_ids, top_lps, active)
 
 
 def insert_prompts_program(pool: Pool, prompts: jax.Array, slots: jax.Array, limit: jax.Array,
@@ -900,7 +1052,9 @@ def generate_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, max_st
 
 
 def _decode_loop(cfg: Config, model: Decoder, pool: Pool, max_steps: int,
-                 top_n: int) -> tuple[Pool, tuple]:
+                 top_n: int, table: jax.Array | None = None) -> tuple[Pool, tuple]:
+    """`max_steps` decode steps of every active slot (`generate_program`); with a page
+    `table` [S, max pages] the pool is paged and each step is `Decoder.paged_step`."""
     slots = pool.slots
 
     def cond(carry):
@@ -910,8 +1064,12 @@ def _decode_loop(cfg: Config, model: Decoder, pool: Pool, max_steps: int,
     in_prompt = sampling.prompt_tokens(slots.sampling, slots.counts.shape[1])  # once a call
 
     def body(carry):
-        tokens, state = carry[1], carry[-1]
-        return _advance(cfg, slots, in_prompt, top_n, carry, *model.decode(tokens, state))
+        tokens, active, state = carry[1], carry[2], carry[-1]
+        if table is None:
+            return _advance(cfg, slots, in_prompt, top_n, carry, *model.decode(tokens, state))
+        logits, _, state = model.paged_step(_decode_rows(tokens, active, state, table), None,
+                                            state)
+        return _advance(cfg, slots, in_prompt, top_n, carry, logits, state)
 
     # Unrolled layers carry each layer's state as its own array. A pool already in that form
     # (`pool_shapes`) is updated in place; a stacked one is split here and stacked back.
@@ -956,6 +1114,65 @@ def decode_and_prefill_program(cfg: Config, graphdef: Any, params: Any, pool: Po
         pool, rest = _decode_loop(cfg, model, pool, n_steps - 1, top_n)
     return pool, prefix, (out, lps, top_ids, top_lps, produced - s.produced, active, steps), \
         first, rest
+
+
+def _decode_rows(tokens: jax.Array, active: jax.Array, state: DecodeState,
+                 table: jax.Array) -> StepRows:
+    """Every slot's next token as a one-token row of its own, in slot order (inactive slots:
+    count 0, no state change)."""
+    return StepRows(tokens[:, None], jnp.arange(tokens.shape[0], dtype=jnp.int32),
+                    state.lengths, active.astype(jnp.int32), table)
+
+
+def paged_step_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, table: jax.Array,
+                       long: StepRows, ends: jax.Array, limit: jax.Array, stop_ids: jax.Array,
+                       sampling_params: SlotSampling, top_n: int, n_steps: int,
+                       ) -> tuple[Pool, tuple, tuple, tuple | None]:
+    """One step over the paged pool: every active slot's next token (the slots' page rows
+    `table` [S, max pages]) and the prefill slices of `long` in one pass
+    (`Decoder.paged_step`); each long row that `ends` its prompt starts its slot: the first
+    token sampled with the row's own `limit`, `stop_ids` and `sampling_params`. Then
+    `n_steps` - 1 more decode steps of every active slot, as `generate_program` runs them,
+    with the pages `table` already holds. Returns the pool, the first step's outputs as
+    `generate_program` gives them for one step, the long rows' first tokens, and the outputs
+    of the steps after it (None for `n_steps` 1)."""
+    model = _merge(graphdef, params)
+    s = pool.slots
+    logits, long_logits, state = model.paged_step(
+        _decode_rows(s.tokens, s.active, pool.state, table), long, pool.state)
+    # The step already moved only the lengths of the rows it ran (the long rows' included,
+    # which the carry's "unchanged" lengths must not undo).
+    carry = _advance(cfg, s, sampling.prompt_tokens(s.sampling, s.counts.shape[1]), top_n,
+                     _first_carry(cfg, s, state, 1, top_n), logits, state)
+    steps, last, active, produced, out, lps, top_ids, top_lps, counts, feed, state = carry
+    pool = Pool(state, s._replace(tokens=last, active=active, produced=produced, counts=counts,
+                                  feed=feed))
+    new, first = _started(long_logits, limit, stop_ids, sampling_params, top_n,
+                          s.feed.shape[1])
+    at = jnp.where(ends, long.slot, s.tokens.shape[0])  # rows still mid-prompt: dropped
+    put = lambda whole, part: whole.at[at].set(part.astype(whole.dtype), mode="drop")  # noqa: E731
+    pool = pool._replace(slots=jax.tree.map(put, pool.slots, new))
+    rest = None
+    if n_steps > 1:
+        pool, rest = _decode_loop(cfg, model, pool, n_steps - 1, top_n, table)
+    return pool, (out, lps, top_ids, top_lps, produced - s.produced, active, steps), first, rest
+
+
+def packed_paged_step_program(cfg: Config, graphdef: Any, params: Any, pool: Pool,
+                              table: jax.Array, packed: jax.Array, layout: RowLayout, top_n: int,
+                              n_steps: int) -> tuple[Pool, tuple, tuple, tuple | None]:
+    """`paged_step_program` on the long rows, their `ends` and their `_row_arguments` (less
+    the slots, which the rows carry), packed by `pack_rows`."""
+    fields = unpack_rows(packed, layout)
+    long, (ends, limit, stop_ids), rows = fields[:5], fields[5:8], fields[8:]
+    return paged_step_program(cfg, graphdef, params, pool, table, StepRows(*long), ends, limit,
+                              stop_ids, SlotSampling(*rows), top_n, n_steps)
+
+
+def paged_generate_program(cfg: Config, graphdef: Any, params: Any, pool: Pool,
+                           table: jax.Array, max_steps: int, top_n: int) -> tuple[Pool, tuple]:
+    """`generate_program` over the paged pool."""
+    return _decode_loop(cfg, _merge(graphdef, params), pool, max_steps, top_n, table)
 
 
 def _row_arguments(slots: Sequence[int], limits: Sequence[int], stop_ids: np.ndarray,
