@@ -1120,8 +1120,7 @@ def _decode_rows(tokens: jax.Array, active: jax.Array, state: DecodeState,
                  table: jax.Array) -> StepRows:
     """Every slot's next token as a one-token row of its own, in slot order (inactive slots:
     count 0, no state change)."""
-    return StepRows(tokens[:, None], jnp.arange(tokens.shape[0], dtype=jnp.int32),
-                    state.lengths, active.astype(jnp.int32), table)
+    return StepRows(tokens[:, None], None, state.lengths, active.astype(jnp.int32), table)
 
 
 def paged_step_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, table: jax.Array,

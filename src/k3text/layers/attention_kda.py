@@ -158,12 +158,14 @@ class KDAAttention(nnx.Module):
             o, recurrent = delta_rule(q, k, v, g, beta, initial)
         return self._output(x, o), KDAState(recurrent, conv)
 
-    def step(self, x: jax.Array, state: KDAState) -> tuple[jax.Array, KDAState]:
-        """One decode token per sequence: x [B, hidden] -> (y [B, hidden], new state)."""
+    def step(self, x: jax.Array, state: KDAState, valid: jax.Array | None = None,
+             ) -> tuple[jax.Array, KDAState]:
+        """One decode token per sequence: x [B, hidden] -> (y [B, hidden], new state); rows
+        where `valid` [B] is false keep their state exactly."""
         cfg = self.cfg
         f, beta_logits = self._gate_inputs(x)
         o, conv, recurrent = kda_ops.decode_step(
             self._qkv(x), self.qkv_conv[...], state.conv, f, self.A_log[...], self.dt_bias[...],
             beta_logits, state.recurrent, implementation=cfg.kda_decode_implementation,
-            gate_lower_bound=_lower_bound(cfg), precision=precision(cfg))
+            gate_lower_bound=_lower_bound(cfg), precision=precision(cfg), valid=valid)
         return self._output(x, o), KDAState(recurrent, conv)

@@ -361,7 +361,7 @@ class Decoder(nnx.Module):
                 for kind, (h_kind, rows_of) in enumerate(zip(split(h), kinds, strict=True)):
                     layer = kda_rows(state, kda_slot, rows_of)
                     if kind == 0 and width == 1:
-                        a, new = mixer.step(h_kind[:, 0], layer)
+                        a, new = mixer.step(h_kind[:, 0], layer, valid=rows_of.count > 0)
                         a = a[:, None]
                     else:
                         valid = jnp.arange(h_kind.shape[1])[None, :] < rows_of.count[:, None]
@@ -393,20 +393,23 @@ class Decoder(nnx.Module):
         logits = self._logits_at(stream, jnp.concatenate(picked))
         lengths = state.lengths
         for kind in kinds:
-            lengths = lengths.at[jnp.where(kind.count > 0, kind.slot, lengths.shape[0])].set(
+            slots = jnp.arange(kind.count.shape[0]) if kind.slot is None else kind.slot
+            lengths = lengths.at[jnp.where(kind.count > 0, slots, lengths.shape[0])].set(
                 kind.start + kind.count, mode="drop")
         state = state._replace(lengths=lengths)
         return logits[:rows], (None if long is None else logits[rows:]), state
 
 
 def kda_rows(state: DecodeState, slot: Any, rows: StepRows) -> KDAState:
-    """One KDA layer's state of each row's slot (`rows.slot`), float32 (as `kda_state`); a row
-    at position 0 begins a sequence, from zeros, whatever its slot held before."""
-    at = jnp.maximum(rows.slot, 0)
+    """One KDA layer's state of each row's slot (`rows.slot`), float32 (as `kda_state`). A row
+    naming its slot at position 0 begins a sequence, from zeros, whatever the slot held before;
+    rows in slot order (`slot` None) continue theirs."""
+    if rows.slot is None:
+        return KDAState(state.kda_recurrent[slot].astype(jnp.float32), state.kda_conv[slot])
     fresh = rows.start == 0
 
     def read(stacked):
-        held = stacked[slot][at]
+        held = stacked[slot][jnp.maximum(rows.slot, 0)]
         return jnp.where(fresh.reshape(-1, *[1] * (held.ndim - 1)), 0, held)
 
     return KDAState(read(state.kda_recurrent).astype(jnp.float32), read(state.kda_conv))
@@ -415,9 +418,15 @@ def kda_rows(state: DecodeState, slot: Any, rows: StepRows) -> KDAState:
 def with_kda_rows(state: DecodeState, slot: Any, rows: StepRows, new: KDAState) -> DecodeState:
     """`state` with each row's new KDA state in its slot, rows with count 0 written nowhere."""
     recurrent, conv = state.kda_recurrent[slot], state.kda_conv[slot]
-    at = jnp.where(rows.count > 0, rows.slot, recurrent.shape[0])  # past the end: dropped
-    recurrent = recurrent.at[at].set(new.recurrent.astype(recurrent.dtype), mode="drop")
-    conv = conv.at[at].set(new.conv.astype(conv.dtype), mode="drop")
+    if rows.slot is None:  # the slots in order, count-0 rows already kept by the mixer
+        def put(old, value):
+            return value.astype(old.dtype)
+    else:
+        at = jnp.where(rows.count > 0, rows.slot, recurrent.shape[0])  # past the end: dropped
+
+        def put(old, value):
+            return old.at[at].set(value.astype(old.dtype), mode="drop")
+    recurrent, conv = put(recurrent, new.recurrent), put(conv, new.conv)
     return state._replace(kda_recurrent=_set(state.kda_recurrent, slot, recurrent),
                           kda_conv=_set(state.kda_conv, slot, conv))
 

@@ -86,7 +86,7 @@ class StepRows(NamedTuple):
     """
 
     tokens: jax.Array  # [R, W] int32
-    slot: jax.Array  # [R] int32
+    slot: jax.Array | None  # [R] int32; None: row r is slot r (every slot, in order)
     start: jax.Array  # [R] int32
     count: jax.Array  # [R] int32
     pages: jax.Array  # [R, max pages] int32

@@ -236,8 +236,10 @@ def decode_step(
     implementation: str,
     gate_lower_bound: float | None = None,
     precision: jax.lax.PrecisionLike = None,
+    valid: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One KDA token per slot from the layer's raw projections.
+    """One KDA token per slot from the layer's raw projections; slots where `valid` [B] is
+    false keep their states exactly (their outputs are garbage).
 
     Args:
       qkv: ``[B, 3, H*K]`` q, k, v projections before the conv (``V = K``).
@@ -252,12 +254,21 @@ def decode_step(
     """
     chosen = resolve_decode(implementation)
     _report("decode step", chosen, implementation)
+    def kept(new: jax.Array, old: jax.Array) -> jax.Array:
+        return new if valid is None else jnp.where(
+            valid.reshape(-1, *[1] * (new.ndim - 1)), new, old)
+
     if chosen == "tokamax_mosaic":
-        return _fused_decode_tokamax(qkv, conv_weight, conv_state, f, a_log, dt_bias,
-                                     beta_logits, state, gate_lower_bound)
-    y, conv_state = causal_conv1d_step(qkv, conv_weight, conv_state)
+        o, new_conv, new_state = _fused_decode_tokamax(qkv, conv_weight, conv_state, f, a_log,
+                                                       dt_bias, beta_logits, state,
+                                                       gate_lower_bound)
+        return o, kept(new_conv, conv_state), kept(new_state, state)
+    y, new_conv = causal_conv1d_step(qkv, conv_weight, conv_state)
     q, k, v = mix_qkv(y, state.shape[1])
     g = decay_gate(f, a_log, dt_bias, gate_lower_bound)
     beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
+    if valid is not None:  # no decay and no write: the delta rule leaves the state exactly
+        g = jnp.where(valid[:, None, None], g, 0.0)
+        beta = jnp.where(valid[:, None], beta, 0.0)
     o, state = kda_step(q, k, v, g, beta, state, precision=precision)
-    return o, conv_state, state
+    return o, kept(new_conv, conv_state), state
