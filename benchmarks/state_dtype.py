@@ -15,8 +15,9 @@ is stored: after every decode token, the worst case, which both parts below take
 - `model`: the shipped model (configs/inference/cpu.yml) decoding one sequence token by token,
   every step fed the same tokens (the float32 engine's greedy continuation of a built-in
   prompt), with each state dtype: how far the bfloat16 state's log-probability of the fed token
-  moves from float32's (largest and mean), and how often the two pick a different next token,
-  over the first 1K and all of 8K tokens (the model was trained on short facts; past them its
+  moves from float32's (largest and mean), how often the two pick a different next token and
+  how far apart float32's two likeliest tokens were there, over the first 1K and all of 8K
+  tokens (the model was trained on short facts; past them its
   text is not meaningful, its arithmetic is).
 
 Outputs in --out (default benchmarks/results/state_dtype/): state_dtype.jsonl (line 1 the
@@ -45,7 +46,8 @@ from k3text.ops.kda import decay_gate, l2_normalize
 from k3text.ops.kda.reference import kda_step
 
 FIELDS = ("part", "tokens", "state_dtype", "output_rel_rms", "worst_token_rel",
-          "final_state_rel", "max_logprob_shift", "mean_logprob_shift", "argmax_differs")
+          "final_state_rel", "max_logprob_shift", "mean_logprob_shift", "argmax_differs",
+          "widest_gap_differing")
 HEADS, HEAD_DIM, GATE_LOWER_BOUND = 4, 128, -5.0
 
 
@@ -142,10 +144,13 @@ def model_rows(lengths: Sequence[int]) -> list[dict[str, Any]]:
         chosen = {d: lp[np.arange(n), ids] for d, lp in ((d, full[d][:n]) for d in full)}
         shift = np.abs(chosen["bfloat16"] - chosen["float32"])
         differs = np.argmax(full["bfloat16"][:n], -1) != np.argmax(full["float32"][:n], -1)
+        top2 = -np.sort(-full["float32"][:n], axis=-1)[:, :2]
+        gaps = (top2[:, 0] - top2[:, 1])[differs]
         rows.append({"part": "model", "tokens": n, "state_dtype": "bfloat16",
                      "max_logprob_shift": float(shift.max()),
                      "mean_logprob_shift": float(shift.mean()),
-                     "argmax_differs": int(differs.sum())})
+                     "argmax_differs": int(differs.sum()),
+                     "widest_gap_differing": float(gaps.max()) if gaps.size else 0.0})
     return rows
 
 
@@ -181,9 +186,10 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     models = model_rows(model_lengths)
     print(table(["tokens", "largest |logprob shift|", "mean |logprob shift|",
-                 "next-token argmax differs"],
+                 "next-token argmax differs", "widest float32 top-2 gap there"],
                 [[f"{r['tokens']:,}", f"{r['max_logprob_shift']:.2e}",
-                  f"{r['mean_logprob_shift']:.2e}", f"{r['argmax_differs']} of {r['tokens']:,}"]
+                  f"{r['mean_logprob_shift']:.2e}", f"{r['argmax_differs']} of {r['tokens']:,}",
+                  f"{r['widest_gap_differing']:.2e}"]
                  for r in models],
                 title=f"[{benchlib.stack()}] shipped model, one sequence fed the same tokens, "
                       f"bfloat16 KDA state against float32"))

@@ -22,6 +22,12 @@ the pool:
   token limits; returns each slot's tokens and log-probabilities (chosen and top-N).
 - `release(pool, slots)`: marks slots free.
 
+Beside them, the paged pool that replaces them (docs/serving.md, "The paged pool"): KDA state
+slots and a pool of MLA pages (`new_paged_pool`), `paged_step` (every decoding slot's next
+token and prefill slices written straight into their slots and pages, first tokens sampled in
+the same call, then the decode loop) and `paged_generate`; `decode_paged` is `decode_batch` on
+them, pages kept by `inference.pages.PageAllocator`.
+
 Every program has fixed shapes (the slot count, whole prefill chunks or `prefill_buckets`, one
 prefill batch size per caller), so requests coming and going never recompile; a log line names
 each shape as it compiles, and `warm_up` compiles them all.

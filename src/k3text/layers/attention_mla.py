@@ -9,7 +9,9 @@ Per token the layer caches only the latent `c_kv || k_r` (kv_lora_rank + qk_rope
   `v_b_proj` into the output (latent -> v), so attention runs directly over the cached latents
   (`ops/mla.py`, which also splits it by sequence when the cache is split so);
 - `step_materialised`: decode by materialising K/V from the cache: the reference `step` is
-  tested against.
+  tested against;
+- `paged_chunk` / `paged_step`: `__call__` / `step` over a paged cache (a page pool shared by
+  every sequence, read through page tables), `paged_step` taking a window of tokens per row.
 There is no positional encoding anywhere (`mla_use_nope`): the 64-wide `k_r` is a shared key
 tail broadcast to every head, never rotated.
 """

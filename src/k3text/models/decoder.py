@@ -9,10 +9,14 @@ blocks) and the decode state ride in the scan carry; per-layer indices (AttnRes 
 boundaries, KDA/MLA state slots) are computed from the scan index, never from the position
 inside a group.
 
-Three modes share all of it:
+Its modes share all of it:
 - `forward(tokens)`: full sequence, no cache (reference and training);
 - `prefill(tokens, valid, state, start)`: one chunk, reading and writing the decode state;
-- `decode(tokens, state)`: one token per sequence.
+- `decode(tokens, state)`: one token per sequence;
+- `decode_and_prefill`: the two at once;
+- `paged_step(short, long, state)`: rows of decode windows and prefill slices of many
+  sequences in one pass over KDA state slots and a paged MLA cache (the form that replaces the
+  three before it).
 """
 
 from __future__ import annotations
