@@ -138,9 +138,9 @@ def test_part_way_prompts_that_run_out_of_pages_preempt_the_newer_one():
 
 @pytest.mark.parametrize("num_pages", [200, 24])
 def test_every_request_finishes_and_pages_never_run_out(num_pages):
-    """48 requests of mixed length arriving over time, random stops; with 24 pages (about a
-    fifth of what they would hold at once) preemption keeps the pool from running out and
-    every request still gets all its tokens."""
+    """48 requests of mixed length arriving over time, random stops, 8 state slots; with 23
+    usable pages (8 running sequences average 7 pages each, 56 in all) preemption keeps the
+    pool from running out and every request still gets all its tokens."""
     rng = np.random.default_rng(0)
     arrivals: dict[int, list[Seq]] = {}
     stops = {}
