@@ -1,7 +1,8 @@
 """The model's step over the paged state (`Decoder.paged_step`): prefill slices, decode tokens
 and multi-token windows of several sequences in one pass, each sequence in its own KDA state
 slot and scattered pages, against the full-sequence forward of each sequence alone, with
-garbage in every free page and free state slot before every step."""
+garbage in every free page and free state slot before every step; and the planner's calls on
+the engine's paged pool (`serving.executor`) against the slot engine, preemption included."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3text.config import ConfigError
 from k3text.inference.pages import PageAllocator
+from k3text.inference.sampling import SamplingRow, config_sampling, host_sampling
 from k3text.layers.initializers import Init
 from k3text.models.decoder import Decoder
 from k3text.models.state import DecodeState, StepRows, paged_state_shapes
+from k3text.serving import executor as executor_lib
 
 from helpers import assert_same_greedy, engine_for, tiny_config
 
@@ -158,25 +162,80 @@ def test_a_window_of_tokens_equals_them_one_at_a_time(model, width):
             np.testing.assert_allclose(got[i], want[i][seqs[i].done - 1], atol=2e-4, rtol=0)
 
 
+def _cfg(name: str, *overrides: str):
+    return tiny_config(name, "max_prefill_predict_length=192", "max_target_length=256",
+                       "prefill_chunk_size=64", "max_decode_steps=6", "ignore_eos=true",
+                       *overrides)
+
+
 @pytest.mark.parametrize("name", ["k3-tiny", "kimi-linear-tiny"])
-def test_the_paged_engine_decodes_as_the_slot_engine_does(name):
-    """`Engine.decode_paged` (prompts prefilled in slices straight into their slots and pages,
-    started slots decoding beside the others' slices, then the decode loop) against
-    `decode_batch` (prefill, insert, generate over fixed slot rows), with a page pool of
-    little more than half the positions the fixed rows reserve."""
-    cfg = tiny_config(name, "max_prefill_predict_length=192", "max_target_length=256",
-                      "prefill_chunk_size=64", "max_decode_steps=6", "ignore_eos=true")
+def test_the_planned_paged_engine_decodes_as_the_slot_engine_does(name):
+    """The planner's calls on the paged pool (`serving.executor.generate`: prompts prefilled in
+    slices straight into their slots and pages, started slots decoding beside the others'
+    slices, then decode calls) against `decode_batch` (prefill, insert, generate over fixed
+    slot rows), with a page pool of little more than half the positions the fixed rows
+    reserve: same tokens and log-probabilities, no preemption needed."""
+    cfg = _cfg(name)
     engine = engine_for(cfg, seed=7)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 70, 1, 129)]
     num_pages, page = 40, 16
     assert num_pages * page < 0.7 * len(prompts) * 256
     want = engine.decode_batch(prompts, top_n=2)
-    got = engine.decode_paged(prompts, num_pages=num_pages, page_size=page, top_n=2)
+    got, executor = executor_lib.generate(engine, prompts, num_pages, page, top_n=2)
+    assert executor.preemptions == 0
     assert_same_greedy(got.output_ids, want.output_ids, want.output_top_logprobs,
                        got.output_logprobs, want.output_logprobs)
     np.testing.assert_allclose(np.asarray(got.output_top_logprobs),
                                np.asarray(want.output_top_logprobs), atol=1e-4, rtol=0)
+    executor.pages.check()
+    assert executor.pages.free_pages == num_pages - 1
+
+
+@pytest.mark.parametrize("strategy", ["weighted", "penalties"])
+def test_a_pool_that_runs_out_mid_decode_preempts_and_every_output_is_unchanged(strategy):
+    """Six prompts through a pool of 12 pages of 8 tokens (each sequence needs up to 5; six
+    at once need 30): sequences are preempted mid-decode and recomputed from their prompt and
+    the tokens they had, and every output equals the one from a pool that never runs out:
+    sampled ones (each token drawn by its number, whatever the preemptions), and greedy ones
+    under frequency, presence and repetition penalties (the recomputed tokens counted again)."""
+    sampled = "weighted" if strategy == "weighted" else "greedy"
+    cfg = _cfg("k3-tiny", "max_decode_steps=12", f"decode_sampling_strategy={sampled}",
+               "decode_sampling_temperature=0.8")
+    engine = engine_for(cfg, seed=3)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (20, 3, 27, 9, 14, 25)]
+    params = None
+    if strategy == "penalties":
+        params = [host_sampling([SamplingRow(0.0, 0, 1.0, i, frequency_penalty=1.5,
+                                             presence_penalty=0.5, repetition_penalty=1.3,
+                                             prompt=tuple(p))], cfg.vocab_size)
+                  for i, p in enumerate(prompts)]
+    want, roomy = executor_lib.generate(engine, prompts, 64, 8, top_n=2, params=params)
+    got, tight = executor_lib.generate(engine, prompts, 13, 8, params=params)
+    assert roomy.preemptions == 0 and tight.preemptions > 0
+    assert [len(o) for o in got.output_ids] == [12] * 6
+    if strategy == "weighted":
+        assert got.output_ids == want.output_ids
+    else:
+        assert_same_greedy(got.output_ids, want.output_ids, want.output_top_logprobs,
+                           got.output_logprobs, want.output_logprobs)
+    if strategy == "penalties":  # they change the outputs: the counts carried through matter
+        plain, _ = executor_lib.generate(engine, prompts, 64, 8)
+        assert plain.output_ids != want.output_ids
+    tight.pages.check()
+    assert tight.pages.free_pages == 12
+
+
+def test_a_request_that_can_never_fit_the_pool_is_refused_up_front():
+    cfg = _cfg("k3-tiny")
+    engine = engine_for(cfg, seed=3)
+    executor = executor_lib.PagedExecutor(engine, slots=2, num_pages=5, page_size=8, steps=2,
+                                          prefill_rows=1)
+    with pytest.raises(ConfigError, match="needs 5 pages of 8 tokens, more than the pool's 4"):
+        executor.submit(list(range(3, 33)), 10, engine.stop_ids(),
+                        config_sampling(cfg, 1))
+    assert not executor.requests and not executor.waiting
 
 
 @pytest.mark.parametrize("mode", ["local", "all_to_all"])
@@ -192,8 +251,7 @@ def test_pages_split_over_8_devices_decode_as_one_device(mode):
                                    moe_ep_mode=mode), seed=4)
     assert split.ctx.size("cache_seq") == 8
     pool = split.new_paged_pool(4, 24, 16)
-    assert {s.data.shape[2] for s in jax.tree.leaves(pool.state.mla_cache)[0]
-            .addressable_shards} == {2}
-    got = split.decode_paged(prompts, num_pages=24, page_size=16, batch=4)
+    assert {s.data.shape[2] for s in pool.state.mla_cache.addressable_shards} == {2}
+    got, _ = executor_lib.generate(split, prompts, 24, 16, slots=4)
     assert_same_greedy(got.output_ids, want.output_ids, want.output_top_logprobs,
                        got.output_logprobs, want.output_logprobs)

@@ -25,8 +25,8 @@ the pool:
 Beside them, the paged pool that replaces them (docs/serving.md, "The paged pool"): KDA state
 slots and a pool of MLA pages (`new_paged_pool`), `paged_step` (every decoding slot's next
 token and prefill slices written straight into their slots and pages, first tokens sampled in
-the same call, then the decode loop) and `paged_generate`; `decode_paged` is `decode_batch` on
-them, pages kept by `inference.pages.PageAllocator`.
+the same call, then the decode loop) and `paged_generate`; `serving.executor` runs the
+planner's plans on them.
 
 Every program has fixed shapes (the slot count, whole prefill chunks or `prefill_buckets`, one
 prefill batch size per caller), so requests coming and going never recompile; a log line names
@@ -55,7 +55,6 @@ from jax.experimental import multihost_utils
 from k3text import sharding
 from k3text.config import Config, ConfigError
 from k3text.inference import prefix_cache, sampling, weights
-from k3text.inference.pages import PageAllocator
 from k3text.inference.prefix_cache import STORE_AXES, PrefixCache, PrefixStore
 from k3text.inference.sampling import SlotSampling
 from k3text.layers.initializers import Init
@@ -557,18 +556,25 @@ class Engine:
     def paged_step(self, pool: Pool, table: np.ndarray, long: Sequence[np.ndarray],
                    ends: np.ndarray, limits: Sequence[int], stop_ids: np.ndarray,
                    params: SlotSampling, top_n: int = 0, n_steps: int = 1,
+                   prompt_len: np.ndarray | None = None, resumed: np.ndarray | None = None,
                    ) -> tuple[Pool, Tokens, Tokens, Tokens | None]:
         """`paged_step_program`: every active slot's next token (its pages `table` [S, max
         pages], host array) with the prefill rows `long` (the host arrays of a `StepRows`,
         [P, C] tokens) in one call, rows that `ends` their prompt starting their slots with
         `limits`, `stop_ids` and `params`; then `n_steps` - 1 decode steps. `pool` is consumed.
+        Rows recomputing a preempted sequence give its `prompt_len` and the tokens it had
+        generated, `resumed` (`paged_step_program`; by default every row a fresh prompt).
         Returns the pool, the first step's tokens, the long rows' first tokens and the tokens
         of the steps after it (None for `n_steps` 1)."""
         rows = long[0].shape
+        prompt_len = np.full(rows[0], 2**30) if prompt_len is None else prompt_len
+        resumed = np.zeros(rows[0]) if resumed is None else resumed
         self._note_shape("paged step", "{} slots x {} steps + {} x {} tokens".format(
             pool.slots.tokens.shape[0], n_steps, *rows))
         packed, layout = self._global_rows([*(np.asarray(a, np.int32) for a in long),
                                             np.asarray(ends, bool),
+                                            np.asarray(prompt_len, np.int32),
+                                            np.asarray(resumed, np.int32),
                                             *_row_arguments(long[1], limits, stop_ids,
                                                             params)[1:]])
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
@@ -590,86 +596,6 @@ class Engine:
                 self._weights, pool, self._global(np.asarray(table, np.int32), ("batch", None)),
                 max_steps=n_steps, top_n=top_n)
         return pool, _tokens(_to_host(out))
-
-    def decode_paged(self, prompts: Sequence[Sequence[int]], num_pages: int, page_size: int,
-                     batch: int | None = None, max_steps: int | None = None,
-                     seed: int | None = None, limits: Sequence[int] | None = None,
-                     top_n: int = 0) -> Generation:
-        """`decode_batch` on the paged pool: each prompt prefilled in `prefill_chunk_size`
-        slices straight into its slot and pages (every prompt's next slice in one call, the
-        slots already started decoding beside them), then the decode loop, pages reserved by a
-        `PageAllocator` as the sequences grow."""
-        cfg = self.cfg
-        max_steps = cfg.max_decode_steps if max_steps is None else max_steps
-        batch = batch or len(prompts)
-        limits = [max_steps] * len(prompts) if limits is None else list(limits)
-        check_prompts(cfg, prompts, max(limits))
-        seed = cfg.seed if seed is None else seed
-        chunk, width = cfg.prefill_chunk_size, -(-cache_length(cfg) // page_size)
-        pages = PageAllocator(num_pages, page_size)
-        slots = list(range(len(prompts)))
-        stop = np.tile(self.stop_ids(), (batch, 1))
-        params = sampling.config_sampling(cfg, batch, [seed + i for i in range(batch)])
-        pool = self.new_paged_pool(batch, num_pages, page_size)
-        lengths = [0] * batch  # positions cached per slot
-        started = [False] * batch
-        outputs: list[list[tuple]] = [[] for _ in prompts]
-        t0 = time.perf_counter()
-
-        def reserve(steps: int) -> np.ndarray:
-            for i in slots:
-                if started[i]:
-                    pages.reserve(i, min(lengths[i] + steps, cache_length(cfg)))
-            return pages.table([*slots, *[None] * (batch - len(slots))], width)
-
-        def collect(tokens: Tokens) -> None:
-            for i in slots:
-                for j in range(int(tokens.count[i])):
-                    outputs[i].append((tokens.ids[i, j], tokens.logprobs[i, j],
-                                       tokens.top_ids[i, j], tokens.top_logprobs[i, j]))
-                    lengths[i] += 1
-        active, done = np.zeros(batch, bool), [0] * len(prompts)
-        while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
-            tokens = np.zeros((batch, chunk), np.int32)
-            slot_of, start, count = np.full(batch, -1), np.zeros(batch), np.zeros(batch)
-            for i, p in enumerate(prompts):
-                n = min(chunk, len(p) - done[i])
-                if n > 0:
-                    tokens[i, :n] = p[done[i]:done[i] + n]
-                    slot_of[i], start[i], count[i] = i, done[i], n
-                    pages.reserve(i, done[i] + n)
-            table = reserve(1)
-            ends = np.asarray([count[i] > 0 and done[i] + count[i] == len(p)
-                               for i, p in enumerate(prompts)] + [False] * (batch - len(prompts)))
-            long = (tokens, slot_of, start, count, pages.table(
-                [i if count[i] else None for i in range(batch)], width))
-            pool, step, first, _ = self.paged_step(pool, table, long, ends,
-                                                   [*limits, *[1] * (batch - len(limits))],
-                                                   stop, params, top_n)
-            collect(step)
-            for i in range(len(prompts)):
-                done[i] += int(count[i])
-                lengths[i] += int(count[i])
-                if ends[i]:
-                    started[i] = True
-                    outputs[i].append((first.ids[i], first.logprobs[i], first.top_ids[i],
-                                       first.top_logprobs[i]))
-            active = step.active | (ends & first.active)
-        t1 = time.perf_counter()
-        steps = 1
-        if max_steps > 1 and active.any():
-            pool, rest = self.paged_generate(pool, reserve(max_steps), max_steps - 1, top_n)
-            collect(rest)
-            steps += rest.steps
-        t2 = time.perf_counter()
-        eos = None if cfg.ignore_eos else cfg.eos_token_id
-        ids = [[int(t[0]) for t in out] for out in outputs]
-        return Generation(
-            [list(p) for p in prompts], ids, [[float(t[1]) for t in out] for out in outputs],
-            ["eos" if eos is not None and o[-1] == eos else "length" for o in ids], t1 - t0,
-            t2 - t1, steps,
-            *(([[t[2].tolist() for t in out] for out in outputs],
-               [[t[3].tolist() for t in out] for out in outputs]) if top_n else (None, None)))
 
     def release(self, pool: Pool, slots: Sequence[int]) -> Pool:
         """Mark `slots` free (their state is left; the next `insert` overwrites all of it);
@@ -1001,18 +927,21 @@ def insert_program(pool: Pool, prefix: Prefix, slots: jax.Array, limit: jax.Arra
 
 
 def _started(logits: jax.Array, limit: jax.Array, stop_ids: jax.Array, params: SlotSampling,
-             top_n: int, feed: int) -> tuple[Slots, tuple]:
-    """The slot rows of sequences whose prompts ended with `logits` [P, vocab], each one's first
-    token sampled with its own parameters, and (first, logprob, top ids, top logprobs,
-    active)."""
+             top_n: int, feed: int, produced: jax.Array | None = None,
+             counts: jax.Array | None = None) -> tuple[Slots, tuple]:
+    """The slot rows of sequences whose prompts ended with `logits` [P, vocab], each one's next
+    token sampled with its own parameters, and (token, logprob, top ids, top logprobs,
+    active). A sequence resumed after a preemption has `produced` [P] tokens already (the
+    next is drawn as that number) and their `counts` [P, vocab]; by default none."""
     rows, vocab = logits.shape
-    nothing_yet = jnp.zeros((rows, vocab), jnp.int32)
+    produced = jnp.zeros(rows, jnp.int32) if produced is None else produced
+    counts = jnp.zeros((rows, vocab), jnp.int32) if counts is None else counts
     first, lp, top_ids, top_lps = sampling.sample_slots(
-        logits, params, jnp.zeros(rows, jnp.int32), top_n, stop_ids,
-        sampling.History(nothing_yet, sampling.prompt_tokens(params, vocab)))
-    active = ~(_is_stop(first, stop_ids) | (limit <= 1))
-    new = Slots(tokens=first, active=active, produced=jnp.ones(rows, jnp.int32), limit=limit,
-                stop_ids=stop_ids, counts=_counted(nothing_yet, first, jnp.ones(rows, bool)),
+        logits, params, produced, top_n, stop_ids,
+        sampling.History(counts, sampling.prompt_tokens(params, vocab)))
+    active = ~(_is_stop(first, stop_ids) | (produced + 1 >= limit))
+    new = Slots(tokens=first, active=active, produced=produced + 1, limit=limit,
+                stop_ids=stop_ids, counts=_counted(counts, first, jnp.ones(rows, bool)),
                 sampling=params, feed=jnp.full((rows, feed), -1, jnp.int32))
     return new, (first, lp, top_ids, top_lps, active)
 
@@ -1130,7 +1059,8 @@ def _decode_rows(tokens: jax.Array, active: jax.Array, state: DecodeState,
 
 
 def paged_step_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, table: jax.Array,
-                       long: StepRows, ends: jax.Array, limit: jax.Array, stop_ids: jax.Array,
+                       long: StepRows, ends: jax.Array, prompt_len: jax.Array,
+                       resumed: jax.Array, limit: jax.Array, stop_ids: jax.Array,
                        sampling_params: SlotSampling, top_n: int, n_steps: int,
                        ) -> tuple[Pool, tuple, tuple, tuple | None]:
     """One step over the paged pool: every active slot's next token (the slots' page rows
@@ -1140,7 +1070,12 @@ def paged_step_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, tabl
     `n_steps` - 1 more decode steps of every active slot, as `generate_program` runs them,
     with the pages `table` already holds. Returns the pool, the first step's outputs as
     `generate_program` gives them for one step, the long rows' first tokens, and the outputs
-    of the steps after it (None for `n_steps` 1)."""
+    of the steps after it (None for `n_steps` 1).
+
+    A sequence recomputed after a preemption is prefilled over its prompt (`prompt_len`
+    tokens) and the `resumed` tokens it had generated: those count in its output history as
+    its slices pass (the penalties read them), and its next token is drawn as number
+    `resumed`, so its output is the one it would have had without the preemption."""
     model = _merge(graphdef, params)
     s = pool.slots
     logits, long_logits, state = model.paged_step(
@@ -1152,8 +1087,11 @@ def paged_step_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, tabl
     steps, last, active, produced, out, lps, top_ids, top_lps, counts, feed, state = carry
     pool = Pool(state, s._replace(tokens=last, active=active, produced=produced, counts=counts,
                                   feed=feed))
+    history = _regenerated_counts(pool.slots.counts, long, prompt_len)
+    pool = pool._replace(slots=pool.slots._replace(counts=pool.slots.counts.at[
+        jnp.where(long.count > 0, long.slot, s.tokens.shape[0])].set(history, mode="drop")))
     new, first = _started(long_logits, limit, stop_ids, sampling_params, top_n,
-                          s.feed.shape[1])
+                          s.feed.shape[1], resumed, history)
     at = jnp.where(ends, long.slot, s.tokens.shape[0])  # rows still mid-prompt: dropped
     put = lambda whole, part: whole.at[at].set(part.astype(whole.dtype), mode="drop")  # noqa: E731
     pool = pool._replace(slots=jax.tree.map(put, pool.slots, new))
@@ -1163,15 +1101,29 @@ def paged_step_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, tabl
     return pool, (out, lps, top_ids, top_lps, produced - s.produced, active, steps), first, rest
 
 
+def _regenerated_counts(counts: jax.Array, long: StepRows, prompt_len: jax.Array,
+                        ) -> jax.Array:
+    """[P, vocab]: each long row's output-token counts once its slice is through: its slot's
+    counts so far (none at position 0), plus its tokens past its prompt (a resumed sequence's
+    generated tokens, being recomputed)."""
+    rows, width = long.tokens.shape
+    held = jnp.where((long.start == 0)[:, None], 0, counts[jnp.maximum(long.slot, 0)])
+    at = long.start[:, None] + jnp.arange(width)[None, :]
+    generated = (jnp.arange(width)[None, :] < long.count[:, None]) & (at >= prompt_len[:, None])
+    return held.at[jnp.arange(rows)[:, None], long.tokens].add(generated.astype(held.dtype))
+
+
 def packed_paged_step_program(cfg: Config, graphdef: Any, params: Any, pool: Pool,
                               table: jax.Array, packed: jax.Array, layout: RowLayout, top_n: int,
                               n_steps: int) -> tuple[Pool, tuple, tuple, tuple | None]:
     """`paged_step_program` on the long rows, their `ends` and their `_row_arguments` (less
     the slots, which the rows carry), packed by `pack_rows`."""
     fields = unpack_rows(packed, layout)
-    long, (ends, limit, stop_ids), rows = fields[:5], fields[5:8], fields[8:]
-    return paged_step_program(cfg, graphdef, params, pool, table, StepRows(*long), ends, limit,
-                              stop_ids, SlotSampling(*rows), top_n, n_steps)
+    long, (ends, prompt_len, resumed, limit, stop_ids), rows = (fields[:5], fields[5:10],
+                                                                fields[10:])
+    return paged_step_program(cfg, graphdef, params, pool, table, StepRows(*long), ends,
+                              prompt_len, resumed, limit, stop_ids, SlotSampling(*rows), top_n,
+                              n_steps)
 
 
 def paged_generate_program(cfg: Config, graphdef: Any, params: Any, pool: Pool,
