@@ -268,7 +268,8 @@ def step_latencies(engine: Engine, ctx: sharding.MeshContext, prompts: list[list
     """Seconds per `Engine.step` (each waited for), over `repeats` runs of steps - 1 steps
     after a fresh prefill; plus the step's memory figures."""
     cfg = engine.cfg
-    key = jax.random.key(cfg.seed)
+    # Replicated over the mesh, as the step takes it (`step_memory` lowers with its sharding).
+    key = jax.device_put(jax.random.key(cfg.seed), ctx.sharding(()))
 
     def start():
         logits, state = engine.prefill(prompts, len(prompts))

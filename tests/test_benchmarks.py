@@ -31,9 +31,10 @@ def write_sweep(path: Path, text: str) -> Path:
 
 
 def test_two_point_sweep_writes_jsonl_csv_and_png(tmp_path):
+    # On two devices: a step's inputs must be placed on the whole mesh, not one device.
     spec = write_sweep(tmp_path / "tiny.yml", """
 base: configs/models/kimi-linear-tiny.yml
-fixed: {max_decode_steps: 2}
+fixed: {max_decode_steps: 2, ici_tensor_parallelism: 2}
 grid: {per_device_batch_size: [1, 2]}
 prompt_lengths: [5]
 repeats: 1

@@ -629,6 +629,8 @@ class Engine:
         """One decode step for tokens [B]: (sampled next tokens [B], their log-probabilities
         [B], the logits [B, vocab], new state). `key` seeds this step's draws (with the
         `decode_sampling_*` keys): pass a new one each step, as `jax.random.split` gives."""
+        # A key made on one device is committed there; the program runs on the whole mesh.
+        key = jax.device_put(key, self.ctx.sharding(()))
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
             return self._step(self._weights, tokens, state, key)
 
