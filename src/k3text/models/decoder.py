@@ -341,7 +341,6 @@ class Decoder(nnx.Module):
         return (logits[:slots], state._replace(lengths=positions + 1), logits[slots:],
                 prefix._replace(lengths=jnp.where(count > 0, start + count, prefix.lengths)))
 
-
     def paged_step(self, short: StepRows, long: StepRows | None, state: DecodeState,
                    ) -> tuple[jax.Array, jax.Array | None, DecodeState]:
         """One step over the paged state (`models.state.paged_state_shapes`): every row of
