@@ -41,6 +41,12 @@ Sections (all by default):
   type; bfloat16 storage on CPU would add XLA:CPU's whole-tensor bf16->f32 conversions); plus
   the grouped (`ragged_dot`) kernel forced with moe_dense_threshold=1, which touches every
   held expert.
+- paged: the decode loop of the shipped model (configs/inference/cpu.yml, the 20 built-in
+  prompts at batch 20, 64 tokens each, eos ignored) over fixed slot rows (`Engine.decode_batch`,
+  each slot a contiguous `max_target_length` cache) vs over the paged pool
+  (`Engine.paged_generate` after the executor's prefill, the same prompts; the pool holds as
+  many positions as the slots do), at two page sizes; ms per decode step, the same tokens
+  checked.
 
 - ttft: time to first token at a 2,048-token prompt for the shipped model (configs/inference/
   cpu.yml) and the tiny Kimi Linear, per KDA prefill form on the same weights: the chunked
@@ -84,7 +90,7 @@ import torch
 from flax import nnx
 from transformers import StoppingCriteriaList
 
-from k3text import files, sharding
+from k3text import decode, files, sharding
 from k3text.config import CONFIG_DIR, Config, ConfigError, load_config
 from k3text.inference import sampling
 from k3text.inference.engine import Engine, build_engine, place_model
@@ -92,6 +98,8 @@ from k3text.layers import moe
 from k3text.ops import kda
 from k3text.ops.kda.chunked import PAIRWISE_LEAF, PRODUCT_LEAF
 from k3text.ops.kda.tokamax import tokamax_kda
+from k3text.serving.executor import PagedExecutor
+from k3text.tokenizer import load_tokenizer, tokenizer_file
 from k3text.tools.tables import table
 
 import hf_reference
@@ -703,6 +711,71 @@ def mxfp4_section(quick: bool) -> list[Row]:
 
 
 # --------------------------------------------------------------------------------------------
+# Decode over fixed slot rows vs over the paged pool.
+# --------------------------------------------------------------------------------------------
+
+PAGE_SIZES = (16, 64)
+
+
+def paged_loop(engine: Engine, prompts: Sequence[list[int]], page: int, steps: int
+               ) -> tuple[float, list[list[int]]]:
+    """The prompts prefilled through the executor (one call, each sampling its first token),
+    then `steps` - 1 decode steps of every sequence in one `Engine.paged_generate` call over
+    pages reserved for them: (seconds per step, each prompt's tokens after the first)."""
+    cfg, n = engine.cfg, len(prompts)
+    executor = PagedExecutor(engine, n, n * cfg.max_target_length // page + 1, page, steps=1,
+                             prefill_rows=n, prefill_budget=n * cfg.prefill_chunk_size)
+    for i, prompt in enumerate(prompts):
+        executor.submit(prompt, steps, engine.stop_ids(),
+                        sampling.config_sampling(cfg, 1, [cfg.seed + i]))
+    executor.step()
+    for rid, prompt in enumerate(prompts):
+        executor.pages.reserve(rid, len(prompt) + steps - 1)
+    table = executor.pages.table(executor.occupant, executor.width)
+    seconds, (executor.pool, rest) = timed(
+        lambda: engine.paged_generate(executor.pool, table, steps - 1))
+    return seconds / rest.steps, [rest.ids[i, :rest.count[i]].tolist() for i in range(n)]
+
+
+def paged_section(quick: bool) -> list[Row]:
+    steps, repeats = (16, 3) if quick else (64, 5)
+    cfg = load_config(CONFIG_DIR / "inference" / "cpu.yml", [], max_decode_steps=steps,
+                      ignore_eos=True)
+    engine, _ = build_engine(cfg)
+    prompts = [list(r.prompt_ids) for r in decode.collect_requests(cfg, load_tokenizer(
+        cfg.tokenizer_type, tokenizer_file(cfg)))]
+
+    def slots() -> tuple[float, list[list[int]]]:
+        g = engine.decode_batch(prompts)
+        return g.decode_seconds / (g.decode_steps - 1), [ids[1:] for ids in g.output_ids]
+
+    runs = {"slots": slots} | {f"paged {page}": lambda page=page: paged_loop(
+        engine, prompts, page, steps) for page in PAGE_SIZES}
+    out = interleaved(runs, repeats)
+    slot_s = benchlib.median(seconds for seconds, _ in out["slots"])
+    rows = []
+    for name, results in out.items():
+        step_s = benchlib.median(seconds for seconds, _ in results)
+        rows.append({"section": "paged", "cache": name, "batch": len(prompts),
+                     "step_ms": step_s * 1e3, "tokens_per_s": len(prompts) / step_s,
+                     "vs_slots": slot_s / step_s,
+                     "same_tokens": results[0][1] == out["slots"][0][1]})
+    print(table(["cache", "ms/step", "tokens/s", "speed vs slots", "same tokens"],
+                [[r["cache"] if r["cache"] == "slots" else f"{r['cache']}-token pages",
+                  f"{r['step_ms']:.3f}", f"{r['tokens_per_s']:.0f}", f"{r['vs_slots']:.2f}x",
+                  str(r["same_tokens"])] for r in rows],
+                title=f"[{STACK}] (f) decode loop over slot rows vs the paged pool, shipped "
+                      f"model, batch {len(prompts)}, {steps} tokens, median of {repeats} "
+                      f"interleaved runs; compile excluded"))
+    return rows
+
+
+def plot_paged(rows: Sequence[Row], ax: Any) -> None:
+    bars(ax, [r["cache"] for r in rows], {"ms/step": [r["step_ms"] for r in rows]},
+         "decode step (ms)")
+
+
+# --------------------------------------------------------------------------------------------
 # Outputs.
 # --------------------------------------------------------------------------------------------
 
@@ -766,6 +839,7 @@ SECTIONS: dict[str, tuple[Callable[[bool], list[Row]], Callable[[Sequence[Row], 
     "loop": (loop_section, plot_loop),
     "mxfp4": (mxfp4_section, plot_mxfp4),
     "ttft": (ttft_section, plot_ttft),
+    "paged": (paged_section, plot_paged),
 }
 
 

@@ -105,13 +105,18 @@ def test_a_pool_needs_a_real_page():
 ROWS, HEADS, WIDTH, PAGE, PAGES, TABLE = 4, 4, 24, 8, 20, 6
 
 
-def _case(window: int, seed: int = 0):
+# Where the rows' windows start: spread over the whole table, or all within its first two pages
+# (the attention then reads only the table's live columns).
+STARTS = {"spread": [0, 13, 44, 5], "short": [0, 3, 9, 5]}
+
+
+def _case(window: int, seed: int = 0, starts: str = "spread"):
     """Four rows over one page pool, each row's pages scattered through it, and the same rows
     as a contiguous cache [ROWS, TABLE x PAGE, C]; every page no row owns (the null page
     included) holds garbage. Row 3 is padding (count 0)."""
     rng = np.random.default_rng(seed)
     pool = PageAllocator(PAGES, PAGE)
-    starts = np.asarray([0, 13, 44, 5], np.int32)
+    starts = np.asarray(STARTS[starts], np.int32)
     counts = np.asarray([window, min(window, 2), window, 0], np.int32)
     order = rng.permutation(PAGES - 1) + 1  # reserve in a shuffled order: tables are scattered
     pool._free = list(order)
@@ -141,9 +146,10 @@ def _expected(contiguous, starts, counts, query, latent):
     return out, cache
 
 
+@pytest.mark.parametrize("starts", list(STARTS))
 @pytest.mark.parametrize("window", [1, 3])
-def test_paged_decode_attention_equals_the_contiguous_reference(window):
-    pool, table, starts, counts, contiguous, pages, query, latent = _case(window)
+def test_paged_decode_attention_equals_the_contiguous_reference(window, starts):
+    pool, table, starts, counts, contiguous, pages, query, latent = _case(window, 0, starts)
     want, cache = _expected(contiguous, starts, counts, query, latent)
     got, new_pages = jax.jit(mla_ops.paged_decode_attention, static_argnums=(6, 7, 8))(
         *map(jnp.asarray, (query, latent, pages, table, starts, counts)), 0.3, HIGHEST,
@@ -159,8 +165,9 @@ def test_paged_decode_attention_equals_the_contiguous_reference(window):
         np.testing.assert_array_equal(new_pages[page], pages[page])
 
 
+@pytest.mark.parametrize("starts", list(STARTS))
 @pytest.mark.parametrize("window", [1, 3])
-def test_pages_split_by_offset_over_8_devices_equal_one_device(window):
+def test_pages_split_by_offset_over_8_devices_equal_one_device(window, starts):
     """Each device holds PAGE / 8 offsets of every page, so every sequence's positions spread
     over all of them; the log-sum-exp merge gives the one-device softmax (heads split over the
     same devices: reduce-scattered)."""
@@ -168,9 +175,13 @@ def test_pages_split_by_offset_over_8_devices_equal_one_device(window):
     rules = {name: list(axes) for name, axes in cfg.logical_axis_rules.items()}
     cfg = cfg.replace(logical_axis_rules={**rules, "cache_seq": ["tensor", "expert"]})
     ctx = mesh_context(cfg)
-    pool, table, starts, counts, contiguous, pages, query, latent = _case(window, seed=1)
+    pool, table, starts, counts, contiguous, pages, query, latent = _case(window, 1, starts)
     args = tuple(map(jnp.asarray, (query, latent, pages, table, starts, counts)))
     want, want_pages = mla_ops.paged_decode_attention(*args, 0.3, HIGHEST, jnp.float32)
+    reference = mla_ops.paged_attention_reference(args[0], want_pages, args[3], args[4], 0.3,
+                                                  HIGHEST, jnp.float32)
+    np.testing.assert_allclose(np.asarray(want)[counts > 0], np.asarray(reference)[counts > 0],
+                               atol=1e-5)
     with sharding.use_mesh(ctx.mesh, ctx.rules):
         assert mla_ops.implementation() == "sequence_sharded"
         split = jax.device_put(args[2], ctx.sharding((None, "cache_seq", "kv_lora")))
@@ -180,3 +191,10 @@ def test_pages_split_by_offset_over_8_devices_equal_one_device(window):
     real = counts > 0
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got_pages)[1:], np.asarray(want_pages)[1:])
+
+
+def test_live_table_widths_cover_every_length_with_a_few_shapes():
+    assert mla_ops.live_table_widths(1) == (1,)
+    assert mla_ops.live_table_widths(6) == (1, 2, 4, 6)
+    assert mla_ops.live_table_widths(8192)[-3:] == (2048, 4096, 8192)
+    assert len(mla_ops.live_table_widths(8192)) == 14

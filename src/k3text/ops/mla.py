@@ -19,6 +19,8 @@ the cache lives (the `cache_seq` logical axis):
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +141,34 @@ def _merge(scores: jax.Array, latents: jax.Array, seq_axes: tuple[str, ...], sca
     return merged[..., :-1] / jnp.where(total > 0, total, 1.0)
 
 
+def _partial(scores: jax.Array, latents: jax.Array, precision: jax.lax.Precision | None,
+             dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """This device's softmax pieces over its positions: the per-query peak of `scores`
+    [B, ..., H, S], and the latent sum [B, ..., H, C] and normaliser [B, ..., H, 1] weighted
+    relative to it (`_combine` merges them)."""
+    peak = jnp.max(scores, axis=-1)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0)[..., None])
+    partial = jnp.einsum("b...s,bsc->b...c", weights.astype(dtype), latents,
+                         precision=precision, preferred_element_type=FP32)
+    return peak, partial, jnp.sum(weights, axis=-1, keepdims=True)
+
+
+def _combine(peak: jax.Array, partial: jax.Array, total: jax.Array,
+             seq_axes: tuple[str, ...], scatter: bool) -> jax.Array:
+    """Inside `shard_map`: every device's `_partial` pieces rescaled to the global peak and
+    summed (one `pmax`, one sum as in `_merge`) into the softmax-weighted latent sum."""
+    top = jax.lax.pmax(peak, seq_axes)
+    rescale = jnp.exp(jnp.where(jnp.isfinite(peak), peak - top, -jnp.inf))[..., None]
+    sums = jnp.concatenate([partial, total], axis=-1) * rescale
+    if scatter:
+        merged = jax.lax.psum_scatter(sums, seq_axes, scatter_dimension=sums.ndim - 2,
+                                      tiled=True)
+    else:
+        merged = jax.lax.psum(sums, seq_axes)
+    total = merged[..., -1:]
+    return merged[..., :-1] / jnp.where(total > 0, total, 1.0)
+
+
 # ---- the paged cache -------------------------------------------------------------------------
 # A pool of pages [P, page_size, C] shared by every sequence; a sequence's position p lives at
 # offset p % page_size of page `table[p // page_size]` (`inference/pages.py`). A step's rows each
@@ -184,20 +214,45 @@ def paged_attention_reference(query: jax.Array, pages: jax.Array, page_table: ja
                       preferred_element_type=FP32)
 
 
+def live_table_widths(width: int) -> tuple[int, ...]:
+    """The leading table widths a paged attention may read: powers of two below the table's
+    `width`, then `width` itself (a few static shapes, so one program serves every length)."""
+    return tuple(1 << i for i in range(max(width - 1, 0).bit_length()) if 1 << i < width) \
+        + (width,)
+
+
+def over_live_pages(attend: Callable[[jax.Array], Any], page_table: jax.Array,
+                    limit: jax.Array, page_size: int) -> Any:
+    """`attend(table)` on the fewest leading columns of `page_table` [B, max pages] (one of
+    `live_table_widths`) that hold every row's positions below `limit` [B]. Exact: the columns
+    left out hold no position any query may see. Gathering the whole table instead copies
+    every row's longest possible context in each MLA layer of each step, where a slot cache is
+    read in place; with it, a step reads about what its sequences hold. Every branch gives the
+    same shapes (`attend` reduces over positions)."""
+    widths = live_table_widths(page_table.shape[1])
+    needed = -(-jnp.max(limit) // page_size)
+    branch = jnp.searchsorted(jnp.asarray(widths), needed)
+    return jax.lax.switch(branch, [lambda t, w=w: attend(t[:, :w]) for w in widths],
+                          page_table)
+
+
 def paged_decode_attention(query: jax.Array, new_latent: jax.Array, pages: jax.Array,
                            page_table: jax.Array, start: jax.Array, count: jax.Array,
                            scale: float, precision: jax.lax.Precision | None,
                            dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """Write each row's window `new_latent` [B, W, C] (its first `count` tokens) into `pages`
     [P, S, C] through `page_table` [B, max pages] from `start` [B], then attend with `query`
-    [B, W, H, C], each query over the positions up to its own (fp32 out, [B, W, H, C]). Returns
+    [B, W, H, C], each query over the positions up to its own (fp32 out, [B, W, H, C]): the
+    reference's softmax over the table's live columns only (`over_live_pages`). Returns
     (output, pages). With the pages' offsets split over `cache_seq` (`implementation`), each
     device attends over its share of every page and the devices merge as `decode_attention`
     does."""
     if implementation() == "replicated":
         pages = write_paged(pages, new_latent, page_table, start, count)
-        return paged_attention_reference(query, pages, page_table, start, scale, precision,
-                                         dtype), pages
+        return over_live_pages(
+            lambda table: paged_attention_reference(query, pages, table, start, scale,
+                                                    precision, dtype),
+            page_table, start + count, page_size=pages.shape[1]), pages
     return _paged_sequence_sharded(query, new_latent, pages, page_table, start, count, scale,
                                    precision, dtype)
 
@@ -226,16 +281,22 @@ def _paged_sequence_sharded(query: jax.Array, new_latent: jax.Array, pages: jax.
         # A window position another device owns is written nowhere here: past the page's end.
         pages = pages.at[page, jnp.where(owned, mine, local)].set(
             to_cache_dtype(new_latent, pages.dtype), mode="drop")
-        rows = page_table.shape[0]
-        latents = pages[page_table].reshape(rows, -1, pages.shape[-1]).astype(dtype)
-        key_at = (jnp.arange(page_table.shape[1])[:, None] * page_size + first
-                  + jnp.arange(local)[None, :]).reshape(-1)
         at = start[:, None] + jnp.arange(width)[None, :]
-        scores = jnp.einsum("bwhc,bsc->bwhs", query, latents, precision=precision,
-                            preferred_element_type=FP32) * scale
-        visible = key_at[None, None, :] <= at[:, :, None]
-        scores = jnp.where(visible[:, :, None], scores, -jnp.inf)
-        return _merge(scores, latents, seq_axes, scatter, precision, dtype), pages
+
+        def attend(table):  # this device's partial softmax over the table's pages
+            latents = pages[table].reshape(table.shape[0], -1, pages.shape[-1]).astype(dtype)
+            key_at = (jnp.arange(table.shape[1])[:, None] * page_size + first
+                      + jnp.arange(local)[None, :]).reshape(-1)
+            scores = jnp.einsum("bwhc,bsc->bwhs", query, latents, precision=precision,
+                                preferred_element_type=FP32) * scale
+            visible = key_at[None, None, :] <= at[:, :, None]
+            return _partial(jnp.where(visible[:, :, None], scores, -jnp.inf), latents,
+                            precision, dtype)
+
+        # The rows' lengths differ between devices of the batch axes, so each takes its own
+        # branch: the collectives of the merge stay outside it.
+        partial = over_live_pages(attend, page_table, start + count, page_size)
+        return _combine(*partial, seq_axes, scatter), pages
 
     return jax.shard_map(
         body, mesh=ctx.shard_map_mesh(),
