@@ -728,7 +728,7 @@ def paged_loop(engine: Engine, prompts: Sequence[list[int]], page: int, steps: i
     for i, prompt in enumerate(prompts):
         executor.submit(prompt, steps, engine.stop_ids(),
                         sampling.config_sampling(cfg, 1, [cfg.seed + i]))
-    executor.step()
+    executor.step()  # every prompt admitted, its first token sampled
     for rid, prompt in enumerate(prompts):
         executor.pages.reserve(rid, len(prompt) + steps - 1)
     table = executor.pages.table(executor.occupant, executor.width)

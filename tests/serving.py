@@ -107,3 +107,39 @@ def offline_decode(tmp_path: Path, config: str, prompts: list[list[int]], max_st
                          env={**os.environ})
     assert run.returncode == 0, run.stderr
     return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def run_scheduler(scheduler, requests) -> list[dict]:
+    """Every (prompt, SamplingParams) of `requests` through an in-process scheduler, all
+    queued before its first iteration (so its groups never vary); per request its token ids,
+    log-probabilities, top log-probabilities, finish reason and prompt scores (when asked).
+    The scheduler is started here and stopped at the end."""
+    from k3text.serving.scheduler import Finished, Request
+
+    results = [dict(ids=[], lps=[], top=[], done=threading.Event(), reason=None,
+                    greedy=params.temperature == 0.0) for _, params in requests]
+
+    def sink(result):
+        def receive(event):
+            if isinstance(event, Finished):
+                result["reason"] = event.reason
+                result["done"].set()
+            else:
+                result["ids"] += event.ids
+                result["lps"] += event.logprobs
+                result["top"] += [[lp for _, lp in row] for row in event.top or []]
+                if event.prompt is not None:  # prompt_logprobs, with the first tokens
+                    assert "prompt" not in result and len(result["ids"]) <= 1
+                    result["prompt"] = event.prompt
+        return receive
+
+    scheduler.start()
+    try:
+        with scheduler._cv:
+            for (prompt, params), result in zip(requests, results, strict=True):
+                scheduler.submit(Request(list(prompt), params, sink(result)))
+        for result in results:
+            assert result["done"].wait(600), "a request never finished"
+    finally:
+        scheduler.stop()
+    return results

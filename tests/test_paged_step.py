@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3text.config import ConfigError
 from k3text.inference.pages import PageAllocator
 from k3text.inference.sampling import SamplingRow, config_sampling, host_sampling
 from k3text.layers.initializers import Init
@@ -232,7 +231,8 @@ def test_a_request_that_can_never_fit_the_pool_is_refused_up_front():
     engine = engine_for(cfg, seed=3)
     executor = executor_lib.PagedExecutor(engine, slots=2, num_pages=5, page_size=8, steps=2,
                                           prefill_rows=1)
-    with pytest.raises(ConfigError, match="needs 5 pages of 8 tokens, more than the pool's 4"):
+    with pytest.raises(executor_lib.NeverFits,
+                       match="needs 5 pages of 8 tokens, more than the pool.s 4"):
         executor.submit(list(range(3, 33)), 10, engine.stop_ids(),
                         config_sampling(cfg, 1))
     assert not executor.requests and not executor.waiting

@@ -24,6 +24,7 @@ from k3text.inference.prefix_cache import (
 from k3text.serving.scheduler import Finished, Request, SamplingParams, Scheduler
 
 from helpers import assert_same_greedy, engine_for, tiny_config
+from serving import run_scheduler
 
 BLOCK = 16
 
@@ -196,32 +197,7 @@ def serve(engine, cfg, requests, poison: bool = False, prefill_engine=None):
     scheduler = Scheduler(cfg, engine, None, prefill_engine=prefill_engine)
     if poison:
         engine.scheduler = scheduler
-    results = [dict(ids=[], lps=[], top=[], done=threading.Event(), reason=None,
-                    greedy=params.temperature == 0.0) for _, params in requests]
-
-    def sink(result):
-        def receive(event):
-            if isinstance(event, Finished):
-                result["reason"] = event.reason
-                result["done"].set()
-            else:
-                result["ids"] += event.ids
-                result["lps"] += event.logprobs
-                result["top"] += [[lp for _, lp in row] for row in event.top]
-                if event.prompt is not None:  # prompt_logprobs, with the first tokens
-                    assert "prompt" not in result and len(result["ids"]) <= 1
-                    result["prompt"] = event.prompt
-        return receive
-
-    scheduler.start()
-    try:
-        with scheduler._cv:  # all queued before the first iteration: groups never vary
-            for (prompt, params), result in zip(requests, results, strict=True):
-                scheduler.submit(Request(list(prompt), params, sink(result)))
-        for result in results:
-            assert result["done"].wait(600), "a request never finished"
-    finally:
-        scheduler.stop()
+    results = run_scheduler(scheduler, requests)
     assert all(r["reason"] == "length" for r in results), [r["reason"] for r in results]
     return results, scheduler
 

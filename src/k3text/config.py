@@ -65,6 +65,7 @@ _CHOICES = {
     "moe_expert_implementation": ("auto", "grouped", "gathered", "reference", "tokamax_mosaic"),
     "mla_cache_dtype": ("float32", "bfloat16", "float8_e4m3fn"),
     "kda_state_dtype": ("float32", "bfloat16"),
+    "serve_engine": ("slots", "paged"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk", "nucleus", "composite"),
     "tokenizer_type": ("none", "byte", "tiktoken"),
     "jax_cpu_collectives": ("gloo", "mpi", "none"),
@@ -590,6 +591,7 @@ def _validate(cfg: Config) -> None:
     for key in ("max_queued_requests", "serve_steps_per_call", "serve_prefill_token_budget",
                 "serve_prefill_batch", "serve_default_max_tokens"):
         _require(getattr(cfg, key) >= 1, f"{key} must be >= 1, got {getattr(cfg, key)}")
+    _check_page_pool(cfg)
     _require(0 <= cfg.serve_decode_prompt_tokens < cfg.prefill_chunk_size,
              f"serve_decode_prompt_tokens must be in [0, prefill_chunk_size="
              f"{cfg.prefill_chunk_size}), got {cfg.serve_decode_prompt_tokens}")
@@ -639,6 +641,25 @@ def _validate_logits_layout(cfg: Config) -> None:
     _require(not shared, f"logical_axis_rules.batch and logical_axis_rules.vocab both split "
              f"over {', '.join(shared)}: an axis the logits' rows take cannot split their "
              f"vocabulary too; name it in one of them")
+
+
+def _check_page_pool(cfg: Config) -> None:
+    """The paged pool's keys (`serve_engine: paged`), in one line each."""
+    if cfg.serve_engine == "paged":
+        page, seq = cfg.pagedattn_tokens_per_page, cfg.axis_size("cache_seq")
+        _require(page >= 1 and page % seq == 0,
+                 f"pagedattn_tokens_per_page must be a positive multiple of the cache_seq mesh "
+                 f"axes' size ({seq}: each device holds its share of every page), got {page}")
+        pages = cfg.pagedattn_num_pages
+        _require(pages == 0 or pages >= 2,
+                 f"pagedattn_num_pages must be 0 (enough for every slot at max_target_length) "
+                 f"or at least 2 (one is the null page), got {pages}")
+        taken = [key for key, on in (
+            ("enable_prefix_caching", cfg.enable_prefix_caching),
+            ("prefill_context_parallelism > 1", cfg.prefill_context_parallelism > 1),
+            ("serve_prefill_apart", cfg.serve_prefill_apart)) if on]
+        _require(not taken, f"serve_engine=paged does not serve with {', '.join(taken)} yet; "
+                            f"use serve_engine=slots for it")
 
 
 def divisibility_table(cfg: Config) -> list[tuple[str, str, int]]:

@@ -43,9 +43,11 @@ from k3text.inference.engine import (  # noqa: E402
     build_engine,
     enable_compilation_cache,
 )
+from k3text.inference.pages import pool_size  # noqa: E402
 from k3text.serving.api import ServerState, create_app  # noqa: E402
 from k3text.serving.metrics import Metrics  # noqa: E402
 from k3text.serving.multihost import LeaderEngine, PeersLost, follow, peers_lost  # noqa: E402
+from k3text.serving.paged_scheduler import PagedScheduler  # noqa: E402
 from k3text.serving.protocol import Protocol  # noqa: E402
 from k3text.serving.scheduler import Scheduler, prefill_rows  # noqa: E402
 from k3text.serving.text import ChatTemplate  # noqa: E402
@@ -140,6 +142,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def serve(cfg: Config) -> None:
+    if cfg.serve_engine == "paged" and jax.process_count() > 1:
+        raise ConfigError("serve_engine=paged serves from one process only yet; use "
+                          "serve_engine=slots for a multi-process server")
     if jax.process_index() > 0:
         try:
             engine, _ = build_engine(cfg)
@@ -177,17 +182,25 @@ def serve(cfg: Config) -> None:
             if jax.process_count() > 1:
                 engine = LeaderEngine(engine, on_lost=lost)
                 leaders.append(engine)
-            seconds = engine.warm_up(slots, cfg.serve_steps_per_call,
-                                     prefill_batch=prefill_rows(cfg),
-                                     top_n=cfg.serve_max_logprobs, serving=True,
-                                     prefill_engine=prefill_engine)
+            if cfg.serve_engine == "paged":
+                seconds = engine.warm_up_paged(slots, *pool_size(cfg), prefill_rows(cfg),
+                                               cfg.serve_steps_per_call, cfg.serve_max_logprobs)
+            else:
+                seconds = engine.warm_up(slots, cfg.serve_steps_per_call,
+                                         prefill_batch=prefill_rows(cfg),
+                                         top_n=cfg.serve_max_logprobs, serving=True,
+                                         prefill_engine=prefill_engine)
             _freeze_heap()
             if cpus is not None:
                 log.info("XLA:CPU's %d threads confined to CPUs %s (serve_xla_cpus=%s)",
                          _confine_xla_threads(cpus), ",".join(map(str, sorted(cpus))),
                          cfg.serve_xla_cpus)
-            scheduler = Scheduler(cfg, engine, tokenizer, metrics, prefill_engine,
-                                  on_stuck=_exit_stuck)
+            if cfg.serve_engine == "paged":
+                scheduler = PagedScheduler(cfg, engine, tokenizer, metrics,
+                                           on_stuck=_exit_stuck)
+            else:
+                scheduler = Scheduler(cfg, engine, tokenizer, metrics, prefill_engine,
+                                      on_stuck=_exit_stuck)
             scheduler.start()
             state.scheduler = scheduler
             log.info("ready: model %r, %d slots, compile %.1f s", protocol.model_name, slots,

@@ -547,11 +547,11 @@ class Engine:
     def new_paged_pool(self, slots: int, num_pages: int, page_size: int) -> Pool:
         """An empty paged pool: `slots` KDA state slots and sampling rows, and `num_pages` MLA
         pages of `page_size` positions (`models.state.paged_state_shapes`)."""
-        shapes, axes = _pool_state_form(self.cfg, paged_state_shapes(self.cfg, slots, num_pages,
-                                                                     page_size),
-                                        PAGED_STATE_AXES)
-        return Pool(self._zero(f"paged {num_pages} x {page_size}", slots, shapes, axes),
-                    self._zero("slots", slots, pool_shapes(self.cfg, slots).slots, SLOT_AXES))
+        shapes, axes = (paged_pool_shapes(self.cfg, slots, num_pages, page_size),
+                        paged_pool_axes(self.cfg))
+        return Pool(self._zero(f"paged {num_pages} x {page_size}", slots, shapes.state,
+                               axes.state),
+                    self._zero("slots", slots, shapes.slots, SLOT_AXES))
 
     def paged_step(self, pool: Pool, table: np.ndarray, long: Sequence[np.ndarray],
                    ends: np.ndarray, limits: Sequence[int], stop_ids: np.ndarray,
@@ -704,6 +704,36 @@ class Engine:
                     [1] * prefill_batch, np.tile(self.stop_ids(), (prefill_batch, 1)),
                     sampling.config_sampling(cfg, prefill_batch), top_n,
                     cfg.serve_steps_per_call)
+        return time.perf_counter() - t0
+
+    def warm_up_paged(self, slots: int, num_pages: int, page_size: int, rows: int,
+                      steps: int, top_n: int = 0) -> float:
+        """Compile (or load from the compilation cache) and run once on nothing the two
+        programs a paged server runs: `paged_step` with `rows` prefill rows of one chunk beside
+        `slots` decode rows, and the decode-only `paged_generate`, both `steps` steps (no slot
+        is active: their loops stop at once), each with a progress line. Returns the seconds
+        it took."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        pool = self.new_paged_pool(slots, num_pages, page_size)
+        width = -(-cache_length(cfg) // page_size)
+        table = np.zeros((slots, width), np.int32)
+        padding = (np.zeros((rows, cfg.prefill_chunk_size), np.int32),
+                   np.full(rows, -1, np.int32), np.zeros(rows, np.int32),
+                   np.zeros(rows, np.int32), np.zeros((rows, width), np.int32))
+        programs = (
+            ("the step (decode rows beside prefill slices)", lambda pool: self.paged_step(
+                pool, table, padding, np.zeros(rows, bool), [1] * rows,
+                np.tile(self.stop_ids(), (rows, 1)), sampling.config_sampling(cfg, rows),
+                top_n, steps)[0]),
+            ("the decode-only loop", lambda pool: self.paged_generate(pool, table, steps,
+                                                                      top_n)[0]))
+        for i, (name, run) in enumerate(programs, 1):
+            began = time.perf_counter()
+            log.info("warm-up %d/%d: %s ...", i, len(programs), name)
+            pool = run(pool)
+            log.info("warm-up %d/%d: %s ready in %.1f s", i, len(programs), name,
+                     time.perf_counter() - began)
         return time.perf_counter() - t0
 
     def decode_batch(self, prompts: Sequence[Sequence[int]], batch: int | None = None,
@@ -1251,6 +1281,19 @@ def feed_width(cfg: Config) -> int:
 def pool_axes(cfg: Config) -> Pool:
     """The logical axes of `pool_shapes(cfg, ...)`."""
     return Pool(_pool_state_form(cfg, state_shapes(cfg, 1), STATE_AXES)[1], SLOT_AXES)
+
+
+def paged_pool_shapes(cfg: Config, slots: int, num_pages: int, page_size: int) -> Pool:
+    """ShapeDtypeStructs of a paged pool: `slots` state slots and sampling rows, `num_pages`
+    MLA pages of `page_size` positions (`models.state.paged_state_shapes`)."""
+    return Pool(_pool_state_form(cfg, paged_state_shapes(cfg, slots, num_pages, page_size),
+                                 PAGED_STATE_AXES)[0], pool_shapes(cfg, slots).slots)
+
+
+def paged_pool_axes(cfg: Config) -> Pool:
+    """The logical axes of `paged_pool_shapes(cfg, ...)`."""
+    return Pool(_pool_state_form(cfg, paged_state_shapes(cfg, 1, 2, 1), PAGED_STATE_AXES)[1],
+                SLOT_AXES)
 
 
 def _pool_state_form(cfg: Config, shapes: DecodeState, axes: DecodeState,

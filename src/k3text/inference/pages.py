@@ -25,6 +25,9 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
+from k3text.config import Config
+from k3text.models.state import cache_length
+
 NULL_PAGE = 0
 
 
@@ -47,6 +50,15 @@ class PageCopy:
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages that hold `tokens` positions."""
     return -(-tokens // page_size)
+
+
+def pool_size(cfg: Config) -> tuple[int, int]:
+    """(pages, positions per page) of a server's paged pool: `pagedattn_num_pages` (0: enough
+    for every slot at the longest cache, and the null page) of `pagedattn_tokens_per_page`."""
+    page = cfg.pagedattn_tokens_per_page
+    pages = cfg.pagedattn_num_pages or cfg.global_batch_size * pages_for(cache_length(cfg),
+                                                                        page) + 1
+    return pages, page
 
 
 class PageAllocator:

@@ -5,9 +5,11 @@ call produced handed back per request.
 `PagedExecutor.submit` queues a request; `step` asks `planner.plan` for the next call, applies
 it (preemptions: pages and slot freed, the slot stopped on the device; admissions; page
 reservations), runs it (`Engine.paged_step` when it carries prefill slices, else
-`Engine.paged_generate`) and books what came back; `generate` runs a batch of prompts to the
-end (the offline driver's shape). A preempted request is recomputed from its prompt and the
-tokens it had produced (`paged_step_program`), so its output is the one it would have had.
+`Engine.paged_generate`) and returns what each request produced in it (`Output`); `abort` ends
+a request early (cancelled, or stopped by the host: a stop string). `generate` runs a batch of
+prompts to the end (the offline driver's shape). A preempted request is recomputed from its
+prompt and the tokens it had produced (`paged_step_program`), so its output is the one it
+would have had.
 """
 
 from __future__ import annotations
@@ -19,12 +21,27 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from k3text.config import ConfigError
 from k3text.inference.engine import Engine, Generation, Tokens, check_prompts
 from k3text.inference.pages import PageAllocator
 from k3text.inference.sampling import SlotSampling, config_sampling
 from k3text.models.state import cache_length
 from k3text.serving import planner
+
+Token = tuple[int, float, list[int], list[float]]  # id, log-probability, top ids, top lps
+
+
+class NeverFits(ValueError):
+    """A request the page pool could not hold even alone."""
+
+
+@dataclasses.dataclass
+class Output:
+    """What one call produced for one request: its new tokens, and whether the device stopped
+    it (a stop id, or its max_tokens reached): it holds nothing from here on."""
+
+    id: int
+    tokens: list[Token]
+    done: bool
 
 
 @dataclasses.dataclass
@@ -34,8 +51,7 @@ class Request:
     stop_ids: np.ndarray  # [MAX_STOP_IDS]
     params: SlotSampling  # one row
     seq: planner.Seq
-    out: list[tuple[int, float, list[int], list[float]]] = dataclasses.field(default_factory=list)
-    done: bool = False
+    generated: list[int] = dataclasses.field(default_factory=list)  # recomputed if preempted
 
 
 class PagedExecutor:
@@ -53,30 +69,70 @@ class PagedExecutor:
         self.waiting: list[int] = []  # arrival order (ids are arrival order)
         self.free_slots = list(range(slots))
         self.occupant: list[int | None] = [None] * slots
+        self._to_stop: list[int] = []  # slots freed by the host, still active on the device
+        self._outputs: dict[int, Output] = {}  # the call being booked
+        self._next_id = 0  # ids in arrival order
         self.preemptions = 0
         self.calls = 0
+        self.steps_run = 0  # decode steps the device ran, over every call
 
     # ---- requests -------------------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], max_tokens: int, stop_ids: np.ndarray,
                params: SlotSampling) -> int:
         """Queue a request; returns its id. One that could never fit the page pool is refused
-        (ConfigError naming the sizes) before anything is queued."""
-        rid = len(self.requests)
+        (`NeverFits`, naming the sizes) before anything is queued."""
+        rid = self._next_id
         seq = planner.Seq(rid, len(prompt), max_tokens)
         if not planner.fits(seq, self.limits, self.pages.usable_pages):
-            raise ConfigError(
+            raise NeverFits(
                 f"a prompt of {len(prompt)} tokens with max_tokens={max_tokens} needs "
                 f"{-(-seq.max_cached // self.limits.page_size)} pages of "
                 f"{self.limits.page_size} tokens, more than the pool's "
                 f"{self.pages.usable_pages}")
         self.requests[rid] = Request(list(prompt), max_tokens, stop_ids, params, seq)
         self.waiting.append(rid)
+        self._next_id += 1
         return rid
 
     @property
     def busy(self) -> bool:
-        return any(not r.done for r in self.requests.values())
+        return bool(self.waiting) or any(r is not None for r in self.occupant)
+
+    @property
+    def max_tokens_alone(self) -> int:
+        """The most positions (prompt + max_tokens) one request may ask for: what the pool
+        holds for a sequence alone (its last token is never cached)."""
+        return self.pages.usable_pages * self.limits.page_size + 1
+
+    def abort(self, rid: int) -> None:
+        """End request `rid` now (cancelled, or stopped by the host): it leaves the queue, or
+        frees its pages and slot, which the device stops before the next call."""
+        request = self.requests.get(rid)
+        if request is None:  # finished already
+            return
+        if rid in self.waiting:
+            self.waiting.remove(rid)
+            del self.requests[rid]
+            return
+        self._to_stop.append(request.seq.slot)
+        self._finish(rid)
+
+    def reset(self) -> list[int]:
+        """After a failed call (its pool was donated to it): a new pool, every running request
+        ended; returns their ids. The waiting ones stay queued."""
+        running = [r for r in self.occupant if r is not None]
+        for rid in running:
+            self._finish(rid)
+        self._to_stop = []
+        self.pool = None  # the failed call's buffers go before new ones are allocated
+        self.pool = self.engine.new_paged_pool(self.slots, self.pages.num_pages,
+                                               self.limits.page_size)
+        return running
+
+    @property
+    def pages_used(self) -> int:
+        return self.pages.usable_pages - self.pages.free_pages
 
     # ---- one call -------------------------------------------------------------------------
 
@@ -89,8 +145,12 @@ class PagedExecutor:
         request = self.requests[rid]
         request.seq = dataclasses.replace(request.seq, **changes)
 
-    def step(self) -> planner.Plan:
-        """Plan the next call, run it, book its tokens."""
+    def step(self) -> tuple[planner.Plan, list[Output]]:
+        """Plan the next call and run it: the plan, and what each request produced in it
+        (requests the device stopped have left the executor)."""
+        if self._to_stop:  # before the call: a freed slot's row must not decode again
+            stopped, self._to_stop = self._to_stop, []
+            self.pool = self.engine.release(self.pool, stopped)
         plan = planner.plan(self._queue(), self.limits)
         if plan.preempt:
             stopped = []
@@ -117,8 +177,9 @@ class PagedExecutor:
             if self.busy:
                 raise RuntimeError(f"the planner left {len(self.waiting)} waiting requests "
                                    f"with nothing running: {self._queue()}")
-            return plan
+            return plan, []
         self.calls += 1
+        self._outputs = {}
         table = self.pages.table(self.occupant, self.width)
         if plan.slices:
             long, ends, limits, stop, params, prompt_len, resumed = self._long_rows(plan)
@@ -139,7 +200,7 @@ class PagedExecutor:
             self.pool, rest = self.engine.paged_generate(self.pool, table, plan.steps,
                                                          self.top_n)
             self._book(rest)
-        return plan
+        return plan, list(self._outputs.values())
 
     def _long_rows(self, plan: planner.Plan) -> tuple:
         """`Engine.paged_step`'s long-row arguments for the plan's slices."""
@@ -155,7 +216,7 @@ class PagedExecutor:
         who: list[int | None] = [None] * rows
         for row, piece in enumerate(plan.slices):
             request = self.requests[piece.seq]
-            ids = request.prompt + [t[0] for t in request.out]
+            ids = request.prompt + request.generated
             tokens[row, :piece.count] = ids[piece.start:piece.start + piece.count]
             slot[row], start[row], count[row] = piece.slot, piece.start, piece.count
             ends[row], who[row] = piece.ends, piece.seq
@@ -169,15 +230,18 @@ class PagedExecutor:
     def _emit(self, rid: int, tokens: Tokens, row: int, column: int | None,
               decoded: bool) -> None:
         pick = (lambda a: a[row]) if column is None else (lambda a: a[row, column])
+        token = (int(pick(tokens.ids)), float(pick(tokens.logprobs)),
+                 pick(tokens.top_ids).tolist(), pick(tokens.top_logprobs).tolist())
+        self._outputs.setdefault(rid, Output(rid, [], False)).tokens.append(token)
         request = self.requests[rid]
-        request.out.append((int(pick(tokens.ids)), float(pick(tokens.logprobs)),
-                            pick(tokens.top_ids).tolist(), pick(tokens.top_logprobs).tolist()))
+        request.generated.append(token[0])
         seq = request.seq
         self._set(rid, generated=seq.generated + 1, decoded=seq.decoded + decoded)
 
     def _book(self, tokens: Tokens) -> None:
         """A decode loop's tokens [S, n] into their slots' requests; a slot that stopped ends
         its request."""
+        self.steps_run += tokens.steps
         for slot, rid in enumerate(self.occupant):
             if rid is None or not self.requests[rid].seq.decoding:
                 continue
@@ -187,11 +251,12 @@ class PagedExecutor:
                 self._finish(rid)
 
     def _finish(self, rid: int) -> None:
-        request = self.requests[rid]
-        request.done = True
+        """`rid` holds nothing from here on (the device stopped it, or the host: `abort`)."""
+        request = self.requests.pop(rid)
         self.pages.release(rid)
         self.occupant[request.seq.slot] = None
         self.free_slots.append(request.seq.slot)
+        self._outputs.setdefault(rid, Output(rid, [], False)).done = True
 
 
 def generate(engine: Engine, prompts: Sequence[Sequence[int]], num_pages: int, page_size: int,
@@ -212,12 +277,13 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], num_pages: int, p
     for i, prompt in enumerate(prompts):
         executor.submit(prompt, max_steps, stop, config_sampling(cfg, 1, [seed + i])
                         if params is None else params[i])
+    outs: list[list[Token]] = [[] for _ in prompts]
     t0 = time.perf_counter()
     while executor.busy:
-        executor.step()
+        for output in executor.step()[1]:
+            outs[output.id] += output.tokens
     seconds = time.perf_counter() - t0
     eos = None if cfg.ignore_eos else cfg.eos_token_id
-    outs = [executor.requests[i].out for i in range(len(prompts))]
     ids = [[t[0] for t in out] for out in outs]
     return Generation(
         [list(p) for p in prompts], ids, [[t[1] for t in out] for out in outs],

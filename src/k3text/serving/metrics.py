@@ -66,6 +66,12 @@ class Metrics:
                                          "device) of the cached blocks", registry=r)
         self.prefix_cached_blocks = Gauge("k3text_prefix_cache_blocks", "Blocks cached",
                                           registry=r)
+        self.pages_total = Gauge("k3text_pages_total", "MLA pages in the paged pool "
+                                 "(serve_engine: paged; the null page left out)", registry=r)
+        self.pages_used = Gauge("k3text_pages_used", "MLA pages held by requests", registry=r)
+        self.preemptions = Counter("k3text_preemptions", "Running requests preempted when the "
+                                   "pages ran out (their pages freed, recomputed later with "
+                                   "the same output)", registry=r)
         self.slots_total.set(slots)
         # The process's own: CPU seconds, resident memory, open files (process_*), and Python's
         # garbage collections by generation (python_gc_*), as every Python server exports them.

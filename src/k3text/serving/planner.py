@@ -15,7 +15,8 @@ Policy, in order:
    `chunk` tokens: sequences already part-way through their prompts first, then new ones in
    arrival order while a state slot and the pages for their first slice are free. A sequence
    starts decoding in the call whose slice ends its prompt (its first token is sampled there).
-3. **Steps.** A call runs `steps` decode steps (the first with the slices beside it).
+3. **Steps.** A call runs `steps` decode steps (the first with the slices beside it; the
+   device's loop ends early once no slot is active), so one program shape serves every call.
 
 Sequences are identified by an int, the order they arrived in (lower is older).
 """
@@ -100,7 +101,7 @@ class Plan:
     admit: tuple[tuple[int, int], ...] = ()  # (sequence, slot)
     slices: tuple[Slice, ...] = ()
     decode: tuple[int, ...] = ()  # sequences decoding in this call
-    steps: int = 0
+    steps: int = 0  # decode steps of the call
     reserve: tuple[tuple[int, int], ...] = ()  # (sequence, positions its pages must hold)
 
     @property
@@ -185,5 +186,4 @@ def plan(queue: Queue, limits: Limits) -> Plan:
         slices.append(Slice(seq.id, slot, seq.prefilled, count, ends))
         reserve.append((seq.id, target))
     return Plan(tuple(s.id for s in preempted), tuple(admit), tuple(slices),
-                tuple(s.id for s in decoding),
-                steps if decoding or any(s.ends for s in slices) else 1, tuple(reserve))
+                tuple(s.id for s in decoding), steps, tuple(reserve))

@@ -22,6 +22,7 @@ from typing import Any
 
 from k3text.config import Config
 from k3text.inference.engine import MAX_STOP_IDS
+from k3text.inference.pages import pool_size
 from k3text.inference.sampling import MAX_LOGIT_BIAS, PromptScores
 from k3text.serving.scheduler import Delta, Finished, SamplingParams
 from k3text.serving.text import ChatTemplate, token_text
@@ -277,6 +278,16 @@ class Protocol:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.template = chat_template
+        # The most positions (prompt + max_tokens) one request may take, and what holds them.
+        self.max_positions = cfg.max_target_length
+        self.cache_text = f"the cache of max_target_length={cfg.max_target_length} tokens"
+        if cfg.serve_engine == "paged":
+            pages, page = pool_size(cfg)
+            alone = (pages - 1) * page + 1  # its last token is never cached
+            if alone < self.max_positions:
+                self.max_positions = alone
+                self.cache_text = (f"the page pool's {alone} tokens (pagedattn_num_pages={pages}"
+                                   f" of pagedattn_tokens_per_page={page}, one the null page)")
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -370,26 +381,24 @@ class Protocol:
         """The sampling of one prompt of `prompt_len` tokens; with `echo`, `max_tokens` 0 (the
         prompt alone) runs one token, which the response leaves out."""
         cfg = self.cfg
-        room = cfg.max_target_length - prompt_len
+        room = self.max_positions - prompt_len
         # max_completion_tokens is the newer name; a null one leaves max_tokens in force.
         given = {n: _int(body, n, None, 0 if echo else 1)
                  for n in ("max_completion_tokens", "max_tokens")}
         name = next((n for n, v in given.items() if v is not None), None)
         if name is None:
             if room < 1:
-                raise RequestError(f"'{prompt_name}' ({prompt_len} tokens) leaves no room in the "
-                                   f"cache of max_target_length={cfg.max_target_length} tokens",
-                                   prompt_name)
+                raise RequestError(f"'{prompt_name}' ({prompt_len} tokens) leaves no room in "
+                                   f"{self.cache_text}", prompt_name)
             max_tokens = min(cfg.serve_default_max_tokens, room)
         else:
             max_tokens = max(given[name], 1)
-        if prompt_len + max_tokens > cfg.max_target_length:
+        if prompt_len + max_tokens > self.max_positions:
             raise RequestError(f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) exceeds "
-                               f"the cache of max_target_length={cfg.max_target_length} tokens"
-                               if given.get(name) != 0 else
-                               f"prompt ({prompt_len} tokens) leaves no room in the cache of "
-                               f"max_target_length={cfg.max_target_length} tokens for the one "
-                               f"token echo with {name} 0 runs after it", name)
+                               f"{self.cache_text}" if given.get(name) != 0 else
+                               f"prompt ({prompt_len} tokens) leaves no room in "
+                               f"{self.cache_text} for the one token echo with {name} 0 runs "
+                               f"after it", name)
         top_k = _int(body, "top_k", 0, -1, cfg.vocab_size)
         seed = _int(body, "seed", None, -(2**63), 2**64 - 1)
         stop = body.get("stop")
@@ -444,9 +453,12 @@ class Protocol:
                 raise RequestError("'prompt_logprobs' is not available with stream=true",
                                    "prompt_logprobs")
             asked = None  # 0, as vLLM takes it: nothing to score
-        if asked is None or echoed is None:
-            return asked if echoed is None else echoed
-        return max(asked, echoed)
+        scores = asked if echoed is None else echoed if asked is None else max(asked, echoed)
+        if scores is not None and self.cfg.serve_engine == "paged":
+            raise RequestError("prompt log-probabilities ('prompt_logprobs', or 'echo' with "
+                               "'logprobs') are not served by serve_engine=paged yet",
+                               "prompt_logprobs" if asked is not None else "echo")
+        return scores
 
     def _logit_bias(self, body: dict) -> tuple[tuple[int, float], ...]:
         """`logit_bias`: {token id (as a JSON key, a string): bias in [-100, 100]}."""

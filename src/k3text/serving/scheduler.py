@@ -170,6 +170,7 @@ class Request:
     cancelled: bool = False
     # Owned by the scheduler thread.
     slot: int = -1
+    seq: int = -1  # its id in the paged executor (`serve_engine: paged`)
     generated: int = 0
     first_token_at: float | None = None
     text: TextStream | None = None
@@ -219,9 +220,14 @@ class _Prefill:
         return [r for r in self.rows if r is not None]
 
 
-class Scheduler:
+class SchedulerThread:
+    """What every scheduler shares: the queue, the thread and its watchdog, stopping, and
+    delivery of a request's tokens (text, stop strings, stop ids, log-probabilities). A
+    subclass runs the engine: `_setup` (before the thread starts), `iterate` (one iteration),
+    `_working` (whether anything is admitted), `_cancel_everything`, `_end` and `_fail_all`."""
+
     def __init__(self, cfg: Config, engine: Engine, tokenizer: Tokenizer | None,
-                 metrics: Metrics | None = None, prefill_engine: Engine | None = None,
+                 metrics: Metrics | None = None,
                  on_stuck: Callable[[float], None] | None = None):
         """`on_stuck(seconds)`: called once, from a watchdog thread, when an iteration has run
         longer than `serve_iteration_timeout` (a device call or a collective that never
@@ -229,15 +235,10 @@ class Scheduler:
         self.cfg = cfg
         self.engine = engine
         self.on_stuck = on_stuck
-        # `serve_prefill_apart`: prompts are prefilled by an engine on a mesh of their own, its
-        # calls dispatched without waiting, while this one decodes.
-        self.prefiller = prefill_engine or engine
-        self._apart = prefill_engine is not None
         self.tokenizer = tokenizer
         self.num_slots = cfg.global_batch_size
         self.metrics = metrics or Metrics(self.num_slots)
         self.top_n = cfg.serve_max_logprobs
-        self.prefill_batch = prefill_rows(cfg)
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._accepting = False
@@ -245,19 +246,6 @@ class Scheduler:
         self._in_flight = 0  # submitted and not yet finished (under _cv)
         self._thread: threading.Thread | None = None
         self._iteration_began: float | None = None  # monotonic time; None between iterations
-        # Scheduler-thread state.
-        self._pool: Pool | None = None
-        self._free = list(range(self.num_slots))
-        self._decoding: dict[int, Request] = {}  # slot -> request
-        self._prefill: _Prefill | None = None
-        self._to_release: list[int] = []
-        # With `serve_overlap` the decode call dispatched last, delivered once the next one is
-        # dispatched (one process only: several fetch results in lockstep with each call).
-        self._overlap = cfg.serve_overlap and jax.process_count() == 1
-        self._in_flight_call: _InFlight | None = None
-        self._delivering: _InFlight | None = None  # the call whose tokens are being delivered
-        self.prefix_cache: PrefixCache | None = None
-        self._cache_seen = (0, 0, 0)  # the cache's (hits, queried, evictions) in the metrics
 
     # ---- any thread -----------------------------------------------------------------------
 
@@ -283,12 +271,10 @@ class Scheduler:
             request.cancelled = True
             self._cv.notify()
 
+
     def start(self) -> None:
         """Start the scheduler thread (the engine's programs should be compiled already)."""
-        self._pool = self.engine.new_pool(self.num_slots)
-        if self.cfg.enable_prefix_caching:
-            self.prefix_cache = PrefixCache(self.cfg, self.prefiller)
-            self.prefix_cache.warm_up(self.prefill_batch)
+        self._setup()
         with self._cv:
             self._accepting = True
         self._thread = threading.Thread(target=self._run, name="k3text-scheduler", daemon=True)
@@ -304,10 +290,6 @@ class Scheduler:
         """Whether any submitted request has not finished yet."""
         with self._cv:
             return self._in_flight > 0
-
-    def healthy(self) -> bool:
-        """The scheduler thread runs and holds a pool."""
-        return self._thread is not None and self._thread.is_alive() and self._pool is not None
 
     def iteration_seconds(self) -> float:
         """How long the scheduler thread's current iteration has run (0 between them)."""
@@ -348,6 +330,9 @@ class Scheduler:
 
     # ---- the scheduler thread -------------------------------------------------------------
 
+
+    # ---- the scheduler thread -------------------------------------------------------------
+
     def _run(self) -> None:
         try:
             self._loop()
@@ -362,12 +347,10 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopping or self._waiting or self._prefill or self._decoding
-                           or self._in_flight_call):
+                while not (self._stopping or self._waiting or self._working()):
                     self._cv.wait(timeout=0.5)
                 if self._stopping:
-                    if not (self._waiting or self._prefill or self._decoding
-                            or self._in_flight_call):
+                    if not (self._waiting or self._working()):
                         return
                     self._cancel_everything()
             self._iteration_began = time.monotonic()
@@ -377,6 +360,145 @@ class Scheduler:
                 self._fail_all(_failure(e, "scheduler iteration", "in the scheduler"))
             finally:
                 self._iteration_began = None
+
+    def _begin(self, r: Request) -> None:
+        """`r` leaves the queue: its text stream and its slot's stop ids."""
+        r.text = TextStream(self.tokenizer, r.params.stop, r.params.min_tokens,
+                            r.params.include_stop_str)
+        r.stop_ids = self.engine.stop_ids(r.params.stop_token_ids, r.params.ignore_eos)
+
+
+    def _drop_cancelled_waiting(self) -> None:
+        """Cancelled requests leave the queue."""
+        with self._cv:
+            gone = [r for r in self._waiting if r.cancelled]
+            for r in gone:
+                self._waiting.remove(r)
+        for r in gone:
+            self._finish(r, "cancelled")
+
+    def _sampling_row(self, r: Request) -> SamplingRow:
+        """`r`'s sampling as the device's per-slot rows take it (a fresh seed if it gave
+        none)."""
+        p = r.params
+        return SamplingRow(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+            seed=p.seed if p.seed is not None else secrets.randbits(64),
+            min_tokens=p.min_tokens, logit_bias=p.logit_bias, min_p=p.min_p,
+            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            # Only the repetition penalty reads the prompt's tokens.
+            prompt=tuple(r.prompt_ids) if p.repetition_penalty != 1.0 else ())
+
+    def _deliver_ids(self, r: Request, ids: list[int], lps: list[float], top_ids: np.ndarray,
+                     top_lps: np.ndarray, device_done: bool) -> None:
+        """New tokens of `r` (at least one) to its client, and `r` ended if they finish it:
+        `device_done` when the device stopped it (a stop id, or its max_tokens); a stop string
+        found in the text, or non-finite log-probabilities, end it here (`_end` with
+        `on_device`: its slot still runs)."""
+        broken = next((i for i, lp in enumerate(lps) if not math.isfinite(lp)), None)
+        if broken is not None:  # NaN or inf logits: nothing sampled from them is an answer
+            log.error("request %d: the model gave non-finite logits at its token %d",
+                      r.id, r.produced - len(ids) + broken)
+            self._end(r, "error", on_device=not device_done,
+                      error="internal error: the model produced non-finite logits (NaN or "
+                            "inf); its weights or activations are broken")
+            return
+        now = time.monotonic()
+        if r.first_token_at is None:
+            r.first_token_at = now
+            self.metrics.ttft.observe(now - r.arrival)
+        stops = set(r.stop_ids.tolist()) - {-1}
+        hit_stop_id = device_done and ids[-1] in stops
+        # The stop id is left out of the output, unless the stop is to stay in it.
+        dropped = hit_stop_id and not r.params.include_stop_str
+        keep = len(ids) - dropped
+        n_top = r.params.logprobs or 0
+        top = None
+        if r.params.logprobs is not None:
+            top = [list(zip(top_ids[i, :n_top].tolist(), top_lps[i, :n_top].tolist(),
+                            strict=True)) for i in range(keep)]
+        text = r.text.add(ids[:keep], final=device_done)
+        keep = r.text.kept  # fewer when a stop string ended the text early
+        generated = keep + (dropped and not r.text.stopped)  # a stop id counts as usage
+        r.generated += generated
+        self.metrics.generation_tokens.inc(generated)  # what usage counts, not what was cut
+        self._send(r, Delta(ids[:keep], lps[:keep], top[:keep] if top is not None else None,
+                            text, prompt=r.prompt_scores))
+        r.prompt_scores = None  # sent with the first tokens
+        if r.text.stopped:
+            r.stop_reason = r.text.stopped_by
+            self._end(r, "stop", on_device=not device_done)
+        elif device_done:
+            eos = ids[-1] == self.cfg.eos_token_id and not (r.params.ignore_eos
+                                                            or self.cfg.ignore_eos)
+            if hit_stop_id and not eos:  # a stop id asked for, not the model's own end
+                r.stop_reason = ids[-1]
+            self._end(r, "stop" if hit_stop_id else "length", on_device=False)
+
+    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+        if r.done:
+            return
+        r.done = True
+        with self._cv:
+            self._in_flight -= 1
+        now = time.monotonic()
+        self.metrics.requests.labels(reason).inc()
+        if reason in ("stop", "length"):
+            self.metrics.e2e.observe(now - r.arrival)
+            if r.first_token_at is not None and r.generated > 1:
+                self.metrics.tpot.observe((now - r.first_token_at) / (r.generated - 1))
+        self._send(r, Finished(reason, len(r.prompt_ids), r.generated, error,
+                               r.stop_reason if reason == "stop" else None))
+
+    def _send(self, r: Request, event: Event) -> None:
+        try:
+            r.sink(event)
+        except Exception:  # a sink whose client is gone must not stop the loop
+            log.debug("sink of request %d failed", r.id, exc_info=True)
+
+
+
+class Scheduler(SchedulerThread):
+    """The fixed slot rows' scheduler (`serve_engine: slots`; module docstring)."""
+
+    def __init__(self, cfg: Config, engine: Engine, tokenizer: Tokenizer | None,
+                 metrics: Metrics | None = None, prefill_engine: Engine | None = None,
+                 on_stuck: Callable[[float], None] | None = None):
+        super().__init__(cfg, engine, tokenizer, metrics, on_stuck)
+        # `serve_prefill_apart`: prompts are prefilled by an engine on a mesh of their own, its
+        # calls dispatched without waiting, while this one decodes.
+        self.prefiller = prefill_engine or engine
+        self._apart = prefill_engine is not None
+        self.prefill_batch = prefill_rows(cfg)
+        # Scheduler-thread state.
+        self._pool: Pool | None = None
+        self._free = list(range(self.num_slots))
+        self._decoding: dict[int, Request] = {}  # slot -> request
+        self._prefill: _Prefill | None = None
+        self._to_release: list[int] = []
+        # With `serve_overlap` the decode call dispatched last, delivered once the next one is
+        # dispatched (one process only: several fetch results in lockstep with each call).
+        self._overlap = cfg.serve_overlap and jax.process_count() == 1
+        self._in_flight_call: _InFlight | None = None
+        self._delivering: _InFlight | None = None  # the call whose tokens are being delivered
+        self.prefix_cache: PrefixCache | None = None
+        self._cache_seen = (0, 0, 0)  # the cache's (hits, queried, evictions) in the metrics
+
+    # ---- any thread -----------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        self._pool = self.engine.new_pool(self.num_slots)
+        if self.cfg.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.cfg, self.prefiller)
+            self.prefix_cache.warm_up(self.prefill_batch)
+
+    def _working(self) -> bool:
+        return bool(self._prefill or self._decoding or self._in_flight_call)
+
+    def healthy(self) -> bool:
+        """The scheduler thread runs and holds a pool."""
+        return self._thread is not None and self._thread.is_alive() and self._pool is not None
 
     def _cancel_everything(self) -> None:  # under _cv, on the scheduler thread
         for r in [*self._waiting, *self._holding(),
@@ -438,12 +560,7 @@ class Scheduler:
             m.prefix_cached_blocks.set(cache.tree.cached_blocks)
 
     def _drop_cancelled(self) -> None:
-        with self._cv:
-            gone = [r for r in self._waiting if r.cancelled]
-            for r in gone:
-                self._waiting.remove(r)
-        for r in gone:
-            self._finish(r, "cancelled")
+        self._drop_cancelled_waiting()
         if self._prefill is not None:
             for i, r in enumerate(self._prefill.rows):
                 if r is not None and r.cancelled:
@@ -629,18 +746,7 @@ class Scheduler:
         """`Engine.insert`'s per-row arguments (slots, limits, stop ids, sampling) for `rows`;
         None is a padding row (slot -1)."""
 
-        def row(r: Request) -> SamplingRow:
-            p = r.params
-            return SamplingRow(
-                temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                seed=p.seed if p.seed is not None else secrets.randbits(64),
-                min_tokens=p.min_tokens, logit_bias=p.logit_bias, min_p=p.min_p,
-                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                repetition_penalty=p.repetition_penalty,
-                # Only the repetition penalty reads the prompt's tokens.
-                prompt=tuple(r.prompt_ids) if p.repetition_penalty != 1.0 else ())
-
-        params = [row(r) if r else (0.0, 0, 1.0, 0) for r in rows]
+        params = [self._sampling_row(r) if r else (0.0, 0, 1.0, 0) for r in rows]
         stop = np.stack([r.stop_ids if r else np.full(MAX_STOP_IDS, -1, np.int32)
                          for r in rows])
         return ([r.slot if r else -1 for r in rows], [r.params.max_tokens if r else 1
@@ -758,12 +864,6 @@ class Scheduler:
             self._prefill = None
         self._dispatched(call)
         return cost
-
-    def _begin(self, r: Request) -> None:
-        """`r` leaves the queue: its text stream and its slot's stop ids."""
-        r.text = TextStream(self.tokenizer, r.params.stop, r.params.min_tokens,
-                            r.params.include_stop_str)
-        r.stop_ids = self.engine.stop_ids(r.params.stop_token_ids, r.params.ignore_eos)
 
     def _decodes_prompt(self, r: Request) -> bool:
         """Whether `r`'s prompt skips prefill, going through the decode steps instead
@@ -883,46 +983,7 @@ class Scheduler:
                 log.error("request %d in slot %d is inactive on the device", r.id, r.slot)
                 self._end(r, "error", on_device=False, error="internal error: the slot stopped")
             return
-        device_done = not bool(out.active[row])
-        broken = next((i for i, lp in enumerate(lps) if not math.isfinite(lp)), None)
-        if broken is not None:  # NaN or inf logits: nothing sampled from them is an answer
-            log.error("request %d: the model gave non-finite logits at its token %d",
-                      r.id, r.produced - n + broken)
-            self._end(r, "error", on_device=not device_done,
-                      error="internal error: the model produced non-finite logits (NaN or "
-                            "inf); its weights or activations are broken")
-            return
-        now = time.monotonic()
-        if r.first_token_at is None:
-            r.first_token_at = now
-            self.metrics.ttft.observe(now - r.arrival)
-        stops = set(r.stop_ids.tolist()) - {-1}
-        hit_stop_id = device_done and ids[-1] in stops
-        # The stop id is left out of the output, unless the stop is to stay in it.
-        dropped = hit_stop_id and not r.params.include_stop_str
-        keep = len(ids) - dropped
-        n_top = r.params.logprobs or 0
-        top = None
-        if r.params.logprobs is not None:
-            top = [list(zip(top_ids[i, :n_top].tolist(), top_lps[i, :n_top].tolist(),
-                            strict=True)) for i in range(keep)]
-        text = r.text.add(ids[:keep], final=device_done)
-        keep = r.text.kept  # fewer when a stop string ended the text early
-        generated = keep + (dropped and not r.text.stopped)  # a stop id counts as usage
-        r.generated += generated
-        self.metrics.generation_tokens.inc(generated)  # what usage counts, not what was cut
-        self._send(r, Delta(ids[:keep], lps[:keep], top[:keep] if top is not None else None,
-                            text, prompt=r.prompt_scores))
-        r.prompt_scores = None  # sent with the first tokens
-        if r.text.stopped:
-            r.stop_reason = r.text.stopped_by
-            self._end(r, "stop", on_device=not device_done)
-        elif device_done:
-            eos = ids[-1] == self.cfg.eos_token_id and not (r.params.ignore_eos
-                                                            or self.cfg.ignore_eos)
-            if hit_stop_id and not eos:  # a stop id asked for, not the model's own end
-                r.stop_reason = ids[-1]
-            self._end(r, "stop" if hit_stop_id else "length", on_device=False)
+        self._deliver_ids(r, ids, lps, top_ids, top_lps, device_done=not bool(out.active[row]))
 
     def _end(self, r: Request, reason: str, on_device: bool, error: str | None = None) -> None:
         if self._decoding.get(r.slot) is r:
@@ -949,27 +1010,6 @@ class Scheduler:
                 self._pool = self.engine.release(self._pool, slots)
             except Exception as e:
                 self._fail_all(_failure(e, "release", "while freeing slots"))
-
-    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
-        if r.done:
-            return
-        r.done = True
-        with self._cv:
-            self._in_flight -= 1
-        now = time.monotonic()
-        self.metrics.requests.labels(reason).inc()
-        if reason in ("stop", "length"):
-            self.metrics.e2e.observe(now - r.arrival)
-            if r.first_token_at is not None and r.generated > 1:
-                self.metrics.tpot.observe((now - r.first_token_at) / (r.generated - 1))
-        self._send(r, Finished(reason, len(r.prompt_ids), r.generated, error,
-                               r.stop_reason if reason == "stop" else None))
-
-    def _send(self, r: Request, event: Event) -> None:
-        try:
-            r.sink(event)
-        except Exception:  # a sink whose client is gone must not stop the loop
-            log.debug("sink of request %d failed", r.id, exc_info=True)
 
     def _fail_all(self, message: str, also: Sequence[Request] = ()) -> None:
         """After a failed pool call the pool's buffers are gone: fail every request holding a

@@ -189,6 +189,59 @@ def serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
     }
 
 
+def paged_serving_programs(cfg: Config, inputs: dict[str, Any], ctx: Any,
+                           ) -> dict[str, tuple[Any, tuple]]:
+    """{name: (jitted function, abstract args)} for a paged server's two programs
+    (`serve_engine: paged`) over its pool (`inference.pages.pool_size`): the step, every
+    slot's decode token beside `serve_prefill_batch` prefill slices of one chunk, then the
+    rest of `serve_steps_per_call` decode steps (a mixed plan); and the decode-only loop of
+    those steps (a decode-only plan)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from k3text import sharding
+    from k3text.inference import engine
+    from k3text.inference.pages import pool_size
+    from k3text.inference.sampling import sampling_shapes
+    from k3text.models.state import cache_length
+    from k3text.serving.scheduler import prefill_rows
+
+    def abstract(shapes: Any, axes: Any) -> Any:
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, sharding.tree_shardings(axes, shapes, ctx))
+
+    slots, rows = cfg.global_batch_size, prefill_rows(cfg)
+    num_pages, page = pool_size(cfg)
+    width = -(-cache_length(cfg) // page)
+    pool = abstract(engine.paged_pool_shapes(cfg, slots, num_pages, page),
+                    engine.paged_pool_axes(cfg))
+    table = jax.ShapeDtypeStruct((slots, width), jnp.int32, sharding=ctx.sharding(("batch", None)))
+    row = lambda dtype, *shape: jax.ShapeDtypeStruct(  # noqa: E731
+        (rows, *shape), dtype, sharding=ctx.sharding(("batch",) + (None,) * len(shape)))
+    chunk, steps, top_n = cfg.prefill_chunk_size, cfg.serve_steps_per_call, cfg.serve_max_logprobs
+    # The long rows (tokens, slot, start, count, table), ends, prompt length, resumed, then
+    # `insert`'s per-row arguments less the slots, packed as `Engine.paged_step` sends them.
+    layout = engine.RowLayout.of((
+        row(jnp.int32, chunk), row(jnp.int32), row(jnp.int32), row(jnp.int32),
+        row(jnp.int32, width), row(jnp.bool_), row(jnp.int32), row(jnp.int32), row(jnp.int32),
+        row(jnp.int32, engine.MAX_STOP_IDS),
+        *(row(s.dtype, *s.shape[1:]) for s in sampling_shapes(rows, cfg.vocab_size))))
+    graphdef, params = inputs["graphdef"], inputs["params"]
+    return {
+        "paged step (mixed)": (
+            jax.jit(functools.partial(engine.packed_paged_step_program, cfg, graphdef,
+                                      layout=layout, top_n=top_n, n_steps=steps),
+                    donate_argnums=1),
+            (params, pool, table, row(jnp.int32, layout.words))),
+        "paged decode": (
+            jax.jit(functools.partial(engine.paged_generate_program, cfg, graphdef,
+                                      max_steps=steps, top_n=top_n), donate_argnums=1),
+            (params, pool, table)),
+    }
+
+
 def decode_step_collectives(cfg: Config) -> collectives.Report:
     """The communication report of one compiled decode step of `cfg` on fake CPU devices (the
     process must expose `cfg.num_devices` of them: `request_host_devices`, or
@@ -248,7 +301,8 @@ def check(cfg: Config, tpu: bool = False, serving: bool = False,
         results = {}
         compiled_programs = programs(inputs)
         if serving:
-            compiled_programs |= serving_programs(cfg, inputs, ctx)
+            compiled_programs |= (paged_serving_programs if cfg.serve_engine == "paged"
+                                  else serving_programs)(cfg, inputs, ctx)
         for name, (fn, args) in compiled_programs.items():
             start = time.perf_counter()
             compiled, partitioned = collectives.partitioned_hlo(fn.lower(*args))
