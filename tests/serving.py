@@ -125,12 +125,12 @@ def run_scheduler(scheduler, requests) -> list[dict]:
                 result["reason"] = event.reason
                 result["done"].set()
             else:
+                if event.prompt is not None:  # prompt_logprobs, with the first tokens
+                    assert "prompt" not in result and not result["ids"]
+                    result["prompt"] = event.prompt
                 result["ids"] += event.ids
                 result["lps"] += event.logprobs
                 result["top"] += [[lp for _, lp in row] for row in event.top or []]
-                if event.prompt is not None:  # prompt_logprobs, with the first tokens
-                    assert "prompt" not in result and len(result["ids"]) <= 1
-                    result["prompt"] = event.prompt
         return receive
 
     scheduler.start()

@@ -14,8 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_paged_step import full_forward
 
 from k3text.config import ConfigError, load_config
+from k3text.layers.initializers import Init
+from k3text.models.decoder import Decoder
 from k3text.serving.paged_scheduler import PagedScheduler
 from k3text.serving.scheduler import Finished, Request, SamplingParams
 
@@ -188,8 +191,43 @@ def test_a_request_the_page_pool_could_never_hold_is_a_400_naming_max_tokens():
                        r"the page pool's 65 tokens \(pagedattn_num_pages=5") as refused:
         protocol.completion({**body, "max_tokens": 56})
     assert refused.value.param == "max_tokens"
-    with pytest.raises(RequestError, match="not served by serve_engine=paged yet"):
-        protocol.completion({**body, "prompt_logprobs": 1})
+
+
+def test_prompt_scores_through_slices_and_preemptions_equal_the_full_forward():
+    """Requests for `prompt_logprobs` among plain ones, prompts of 1 to 45 tokens (up to three
+    16-token slices), through a pool that preempts: each prompt token's log-probability, rank
+    and top 2 equal the full forward's log-softmax at the position before it (the model run
+    over the whole prompt at once), and the generated tokens are unchanged by the scoring."""
+    cfg = _config("pagedattn_num_pages=13", "ignore_eos=true")
+    model = Decoder(cfg, Init(3))
+    engine = engine_for(cfg, model=model)
+    rng = np.random.default_rng(5)
+    requests = []
+    for i in range(10):
+        prompt = rng.integers(3, cfg.vocab_size, [1, 45, 17, 30, 8][i % 5]).tolist()
+        requests.append((prompt, SamplingParams(max_tokens=int(rng.integers(1, 16)),
+                                                temperature=0.0, logprobs=2,
+                                                prompt_logprobs=2 if i % 2 == 0 else None)))
+    results, scheduler = _serve(engine, cfg, requests)
+    assert scheduler.executor.preemptions > 0
+    plain, _ = _serve(engine, cfg, [(p, dataclasses.replace(s, prompt_logprobs=None))
+                                    for p, s in requests], poison=False)
+    for i, ((prompt, params), got) in enumerate(zip(requests, results, strict=True)):
+        assert got["ids"] == plain[i]["ids"], f"request {i}"
+        if params.prompt_logprobs is None:
+            assert "prompt" not in got
+            continue
+        scores = got["prompt"]
+        logp = jax.nn.log_softmax(jnp.asarray(full_forward(model, prompt)), axis=-1)
+        logp = np.asarray(logp)[:-1]  # position p scores token p + 1
+        after = np.asarray(prompt[1:], np.int64)
+        assert scores.logprobs.shape == (len(prompt) - 1,)
+        want = logp[np.arange(len(after)), after]
+        np.testing.assert_allclose(scores.logprobs, want, atol=1e-4, err_msg=f"request {i}")
+        np.testing.assert_array_equal(scores.ranks,
+                                      1 + np.sum(logp > want[:, None] + 1e-5, axis=-1))
+        np.testing.assert_allclose(scores.top_logprobs, -np.sort(-logp, axis=-1)[:, :2],
+                                   atol=1e-4)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -222,7 +260,7 @@ def test_64_concurrent_requests_through_a_pool_of_8_sequences_equal_their_solo_d
                     "serve_engine=paged", "pagedattn_tokens_per_page=16",
                     "pagedattn_num_pages=65", "ignore_eos=true")
     try:
-        assert any(re.search(r"warm-up 2/2: .* ready in", line) for line in server.lines)
+        assert any(re.search(r"warm-up 3/3: .* ready in", line) for line in server.lines)
 
         def one(i):
             r = httpx.post(f"{server.url}/v1/completions", timeout=600, json={

@@ -2727,3 +2727,50 @@ def test_two_processes_serve_like_one(shipped):
         if server is not None:
             server.stop()
         follower.stop(signal.SIGKILL)
+
+
+# 160 positions in 10 pages (and the null page) for 8 slots: the longest request (a leaver's
+# 24 + 96 tokens) fits alone; admission waits for pages.
+PAGED = ["serve_engine=paged", "pagedattn_tokens_per_page=16", "pagedattn_num_pages=11"]
+
+
+def test_the_paged_server_under_random_load(shipped):
+    """`serve_engine: paged` under the same concurrent mixed load (greedy and seeded sampling,
+    logit bias, min_tokens, min_p and penalties, streaming clients leaving mid-stream) with a
+    page pool of 160 positions for 8 slots: every greedy request equals the offline decode,
+    every seeded one the same request alone; nothing is held at the end. (Preemption under
+    load: tests/test_paged_serving.py; of sampled and penalised requests:
+    tests/test_paged_step.py.)"""
+    _, prompts, reference = shipped
+    server = Server(CPU, *SHIPPED, *PAGED)
+    try:
+        run_load(server, prompts, reference, 40, "k3-small", seed=3)
+        assert server.metrics()["k3text_pages_used"] == 0
+        assert not [line for line in server.lines if "Traceback" in line]
+    finally:
+        assert server.stop() == 0, "\n".join(server.lines)
+
+
+@pytest.mark.slow
+def test_two_processes_serve_paged_like_one(shipped):
+    """The paged server from 2 processes x 4 CPU devices (pages split by offset over the
+    tensor devices): process 1 replays process 0's engine calls (pool, steps, decode loops,
+    releases); mixed load through a pool that runs out equals the offline decode and the same
+    request alone, and both processes stop on SIGTERM."""
+    _, prompts, reference = shipped
+    port = coordinator_port()
+    path = str(ROOT / "configs" / "inference" / "cpu8-local.yml")
+    distributed = ["jax_distributed_initialize=true", f"coordinator_address=localhost:{port}",
+                   "num_processes=2"]
+    follower = Server(path, *SHIPPED, *PAGED, *distributed, "process_id=1", listens=False)
+    server = None
+    try:
+        server = Server(path, *SHIPPED, *PAGED, *distributed, "process_id=0")
+        run_load(server, prompts, reference, 16, "k3-small", seed=4)
+        assert not [line for line in server.lines + follower.lines if "Traceback" in line]
+        assert server.stop() == 0, "\n".join(server.lines)
+        assert follower.proc.wait(120) == 0, "\n".join(follower.lines)
+    finally:
+        if server is not None:
+            server.stop()
+        follower.stop(signal.SIGKILL)

@@ -142,9 +142,6 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def serve(cfg: Config) -> None:
-    if cfg.serve_engine == "paged" and jax.process_count() > 1:
-        raise ConfigError("serve_engine=paged serves from one process only yet; use "
-                          "serve_engine=slots for a multi-process server")
     if jax.process_index() > 0:
         try:
             engine, _ = build_engine(cfg)

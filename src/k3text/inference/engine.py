@@ -210,7 +210,7 @@ class Engine:
                                            static_argnames=("layout", "top_n", "n_steps"),
                                            donate_argnames=("pool", "prefix"))
         self._paged_step = jax.jit(bound(packed_paged_step_program, cfg, self.layout),
-                                   static_argnames=("layout", "top_n", "n_steps"),
+                                   static_argnames=("layout", "top_n", "n_steps", "scored"),
                                    donate_argnames=("pool",))
         self._paged_generate = jax.jit(bound(paged_generate_program, cfg, self.layout),
                                        static_argnames=("max_steps", "top_n"),
@@ -557,33 +557,41 @@ class Engine:
                    ends: np.ndarray, limits: Sequence[int], stop_ids: np.ndarray,
                    params: SlotSampling, top_n: int = 0, n_steps: int = 1,
                    prompt_len: np.ndarray | None = None, resumed: np.ndarray | None = None,
-                   ) -> tuple[Pool, Tokens, Tokens, Tokens | None]:
+                   targets: np.ndarray | None = None,
+                   ) -> tuple[Pool, Tokens, Tokens, Tokens | None, sampling.PromptScores | None]:
         """`paged_step_program`: every active slot's next token (its pages `table` [S, max
         pages], host array) with the prefill rows `long` (the host arrays of a `StepRows`,
         [P, C] tokens) in one call, rows that `ends` their prompt starting their slots with
         `limits`, `stop_ids` and `params`; then `n_steps` - 1 decode steps. `pool` is consumed.
         Rows recomputing a preempted sequence give its `prompt_len` and the tokens it had
         generated, `resumed` (`paged_step_program`; by default every row a fresh prompt).
-        Returns the pool, the first step's tokens, the long rows' first tokens and the tokens
-        of the steps after it (None for `n_steps` 1)."""
+        With `targets` [P, C] (a prompt whose positions are scored, `prompt_logprobs`) every
+        long-row position is scored against the token after it, in a program of its own.
+        Returns the pool, the first step's tokens, the long rows' first tokens, the tokens of
+        the steps after it (None for `n_steps` 1) and the scores (host arrays [P, C], or
+        None)."""
         rows = long[0].shape
         prompt_len = np.full(rows[0], 2**30) if prompt_len is None else prompt_len
         resumed = np.zeros(rows[0]) if resumed is None else resumed
-        self._note_shape("paged step", "{} slots x {} steps + {} x {} tokens".format(
-            pool.slots.tokens.shape[0], n_steps, *rows))
+        scored = targets is not None
+        self._note_shape("paged step", "{} slots x {} steps + {} x {} tokens{}".format(
+            pool.slots.tokens.shape[0], n_steps, *rows, ", scored" if scored else ""))
         packed, layout = self._global_rows([*(np.asarray(a, np.int32) for a in long),
                                             np.asarray(ends, bool),
                                             np.asarray(prompt_len, np.int32),
                                             np.asarray(resumed, np.int32),
                                             *_row_arguments(long[1], limits, stop_ids,
-                                                            params)[1:]])
+                                                            params)[1:],
+                                            *([np.asarray(targets, np.int32)] if scored
+                                              else [])])
         with sharding.use_mesh(self.ctx.mesh, self.ctx.rules):
-            pool, out, first, rest = self._paged_step(
+            pool, out, first, rest, scores = self._paged_step(
                 self._weights, pool, self._global(np.asarray(table, np.int32), ("batch", None)),
-                packed, layout=layout, top_n=top_n, n_steps=n_steps)
-            out, first, rest = _to_host((out, first, rest))
+                packed, layout=layout, top_n=top_n, n_steps=n_steps, scored=scored)
+            out, first, rest, scores = _to_host((out, first, rest, scores))
         return (pool, _tokens(out), Tokens(*first[:4], np.ones(rows[0], np.int32), first[4]),
-                None if rest is None else _tokens(rest))
+                None if rest is None else _tokens(rest),
+                None if scores is None else sampling.PromptScores(*scores))
 
     def paged_generate(self, pool: Pool, table: np.ndarray, n_steps: int, top_n: int = 0,
                        ) -> tuple[Pool, Tokens]:
@@ -708,11 +716,11 @@ class Engine:
 
     def warm_up_paged(self, slots: int, num_pages: int, page_size: int, rows: int,
                       steps: int, top_n: int = 0) -> float:
-        """Compile (or load from the compilation cache) and run once on nothing the two
-        programs a paged server runs: `paged_step` with `rows` prefill rows of one chunk beside
-        `slots` decode rows, and the decode-only `paged_generate`, both `steps` steps (no slot
-        is active: their loops stop at once), each with a progress line. Returns the seconds
-        it took."""
+        """Compile (or load from the compilation cache) and run once on nothing the programs a
+        paged server runs: `paged_step` with `rows` prefill rows of one chunk beside `slots`
+        decode rows (and its scoring form, for `prompt_logprobs`), and the decode-only
+        `paged_generate`, all of `steps` steps (no slot is active: their loops stop at once),
+        each with a progress line. Returns the seconds it took."""
         cfg = self.cfg
         t0 = time.perf_counter()
         pool = self.new_paged_pool(slots, num_pages, page_size)
@@ -721,11 +729,17 @@ class Engine:
         padding = (np.zeros((rows, cfg.prefill_chunk_size), np.int32),
                    np.full(rows, -1, np.int32), np.zeros(rows, np.int32),
                    np.zeros(rows, np.int32), np.zeros((rows, width), np.int32))
+
+        def step(pool: Pool, **scored: Any) -> Pool:
+            return self.paged_step(pool, table, padding, np.zeros(rows, bool), [1] * rows,
+                                   np.tile(self.stop_ids(), (rows, 1)),
+                                   sampling.config_sampling(cfg, rows), top_n, steps,
+                                   **scored)[0]
+
         programs = (
-            ("the step (decode rows beside prefill slices)", lambda pool: self.paged_step(
-                pool, table, padding, np.zeros(rows, bool), [1] * rows,
-                np.tile(self.stop_ids(), (rows, 1)), sampling.config_sampling(cfg, rows),
-                top_n, steps)[0]),
+            ("the step (decode rows beside prefill slices)", step),
+            ("the step scoring its prompts' positions (prompt_logprobs)",
+             lambda pool: step(pool, targets=padding[0])),
             ("the decode-only loop", lambda pool: self.paged_generate(pool, table, steps,
                                                                       top_n)[0]))
         for i, (name, run) in enumerate(programs, 1):
@@ -1094,7 +1108,8 @@ def paged_step_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, tabl
                        long: StepRows, ends: jax.Array, prompt_len: jax.Array,
                        resumed: jax.Array, limit: jax.Array, stop_ids: jax.Array,
                        sampling_params: SlotSampling, top_n: int, n_steps: int,
-                       ) -> tuple[Pool, tuple, tuple, tuple | None]:
+                       targets: jax.Array | None = None,
+                       ) -> tuple[Pool, tuple, tuple, tuple | None, Any]:
     """One step over the paged pool: every active slot's next token (the slots' page rows
     `table` [S, max pages]) and the prefill slices of `long` in one pass
     (`Decoder.paged_step`); each long row that `ends` its prompt starts its slot: the first
@@ -1102,7 +1117,9 @@ def paged_step_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, tabl
     `n_steps` - 1 more decode steps of every active slot, as `generate_program` runs them,
     with the pages `table` already holds. Returns the pool, the first step's outputs as
     `generate_program` gives them for one step, the long rows' first tokens, and the outputs
-    of the steps after it (None for `n_steps` 1).
+    of the steps after it (None for `n_steps` 1), and with `targets` [P, C] (the token after
+    each long-row position) every long-row position scored against its target
+    (`sampling.score_next`; else None).
 
     A sequence recomputed after a preemption is prefilled over its prompt (`prompt_len`
     tokens) and the `resumed` tokens it had generated: those count in its output history as
@@ -1111,7 +1128,13 @@ def paged_step_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, tabl
     model = _merge(graphdef, params)
     s = pool.slots
     logits, long_logits, state = model.paged_step(
-        _decode_rows(s.tokens, s.active, pool.state, table), long, pool.state)
+        _decode_rows(s.tokens, s.active, pool.state, table), long, pool.state,
+        every_long_position=targets is not None)
+    scores = None
+    if targets is not None:
+        scores = sampling.score_next(long_logits, targets, top_n)
+        long_logits = long_logits[jnp.arange(long.count.shape[0]),
+                                  jnp.maximum(long.count - 1, 0)]
     # The step already moved only the lengths of the rows it ran (the long rows' included,
     # which the carry's "unchanged" lengths must not undo).
     carry = _advance(cfg, s, sampling.prompt_tokens(s.sampling, s.counts.shape[1]), top_n,
@@ -1130,7 +1153,8 @@ def paged_step_program(cfg: Config, graphdef: Any, params: Any, pool: Pool, tabl
     rest = None
     if n_steps > 1:
         pool, rest = _decode_loop(cfg, model, pool, n_steps - 1, top_n, table)
-    return pool, (out, lps, top_ids, top_lps, produced - s.produced, active, steps), first, rest
+    return (pool, (out, lps, top_ids, top_lps, produced - s.produced, active, steps), first,
+            rest, scores)
 
 
 def _regenerated_counts(counts: jax.Array, long: StepRows, prompt_len: jax.Array,
@@ -1147,15 +1171,18 @@ def _regenerated_counts(counts: jax.Array, long: StepRows, prompt_len: jax.Array
 
 def packed_paged_step_program(cfg: Config, graphdef: Any, params: Any, pool: Pool,
                               table: jax.Array, packed: jax.Array, layout: RowLayout, top_n: int,
-                              n_steps: int) -> tuple[Pool, tuple, tuple, tuple | None]:
+                              n_steps: int, scored: bool = False,
+                              ) -> tuple[Pool, tuple, tuple, tuple | None, Any]:
     """`paged_step_program` on the long rows, their `ends` and their `_row_arguments` (less
-    the slots, which the rows carry), packed by `pack_rows`."""
+    the slots, which the rows carry), packed by `pack_rows`; `scored`: the long rows' targets
+    last."""
     fields = unpack_rows(packed, layout)
+    targets = fields.pop() if scored else None
     long, (ends, prompt_len, resumed, limit, stop_ids), rows = (fields[:5], fields[5:10],
                                                                 fields[10:])
     return paged_step_program(cfg, graphdef, params, pool, table, StepRows(*long), ends,
                               prompt_len, resumed, limit, stop_ids, SlotSampling(*rows), top_n,
-                              n_steps)
+                              n_steps, targets)
 
 
 def paged_generate_program(cfg: Config, graphdef: Any, params: Any, pool: Pool,

@@ -342,6 +342,7 @@ class Decoder(nnx.Module):
                 prefix._replace(lengths=jnp.where(count > 0, start + count, prefix.lengths)))
 
     def paged_step(self, short: StepRows, long: StepRows | None, state: DecodeState,
+                   every_long_position: bool = False,
                    ) -> tuple[jax.Array, jax.Array | None, DecodeState]:
         """One step over the paged state (`models.state.paged_state_shapes`): every row of
         `short` (decode windows: [R, W] tokens, W = 1 for one token per sequence) and of `long`
@@ -349,7 +350,9 @@ class Decoder(nnx.Module):
         token-wise sublayer runs once over the R x W + P x C tokens; the mixers run per kind of
         row, each row from and into its sequence's KDA state slot and pages (rows with count 0
         leave every state as it was). Returns the logits at each row's last real token,
-        [R, vocab] and [P, vocab] (garbage for count-0 rows), and the state."""
+        [R, vocab] and [P, vocab] (garbage for count-0 rows), and the state; with
+        `every_long_position` the long rows' logits at every position, [P, C, vocab] (prompts
+        whose positions are scored)."""
         rows, width = short.tokens.shape
         kinds = [short] if long is None else [short, long]
         sizes = [k.tokens.size for k in kinds]
@@ -389,9 +392,12 @@ class Decoder(nnx.Module):
         if not self.cfg.scan_layers and came_stacked:
             state = stacked_state(state)
         picked, offset = [], 0
-        for kind in kinds:
+        for i, kind in enumerate(kinds):
             n, w = kind.tokens.shape
-            picked.append(offset + jnp.arange(n) * w + jnp.maximum(kind.count - 1, 0))
+            if i == 1 and every_long_position:
+                picked.append(offset + jnp.arange(n * w))
+            else:
+                picked.append(offset + jnp.arange(n) * w + jnp.maximum(kind.count - 1, 0))
             offset += n * w
         logits = self._logits_at(stream, jnp.concatenate(picked))
         lengths = state.lengths
@@ -400,7 +406,10 @@ class Decoder(nnx.Module):
             lengths = lengths.at[jnp.where(kind.count > 0, slots, lengths.shape[0])].set(
                 kind.start + kind.count, mode="drop")
         state = state._replace(lengths=lengths)
-        return logits[:rows], (None if long is None else logits[rows:]), state
+        long_logits = None if long is None else logits[rows:]
+        if long is not None and every_long_position:
+            long_logits = long_logits.reshape(*long.tokens.shape, -1)
+        return logits[:rows], long_logits, state
 
 
 def kda_rows(state: DecodeState, slot: Any, rows: StepRows) -> KDAState:

@@ -23,7 +23,7 @@ import numpy as np
 
 from k3text.inference.engine import Engine, Generation, Tokens, check_prompts
 from k3text.inference.pages import PageAllocator
-from k3text.inference.sampling import SlotSampling, config_sampling
+from k3text.inference.sampling import PromptScores, SlotSampling, config_sampling
 from k3text.models.state import cache_length
 from k3text.serving import planner
 
@@ -42,6 +42,9 @@ class Output:
     id: int
     tokens: list[Token]
     done: bool
+    # With its first token, for a request that scores its prompt: each prompt token after
+    # the first scored at the position before it (host arrays over len(prompt) - 1 tokens).
+    prompt_scores: PromptScores | None = None
 
 
 @dataclasses.dataclass
@@ -52,6 +55,10 @@ class Request:
     params: SlotSampling  # one row
     seq: planner.Seq
     generated: list[int] = dataclasses.field(default_factory=list)  # recomputed if preempted
+    scored: bool = False  # its prompt's positions are scored (`prompt_logprobs`)
+    # position -> its scores (log-probability, rank, top ids, top log-probabilities), as the
+    # slices go; sent with its first token, once.
+    scores: dict[int, tuple] = dataclasses.field(default_factory=dict)
 
 
 class PagedExecutor:
@@ -79,9 +86,10 @@ class PagedExecutor:
     # ---- requests -------------------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], max_tokens: int, stop_ids: np.ndarray,
-               params: SlotSampling) -> int:
-        """Queue a request; returns its id. One that could never fit the page pool is refused
-        (`NeverFits`, naming the sizes) before anything is queued."""
+               params: SlotSampling, scored: bool = False) -> int:
+        """Queue a request; returns its id. With `scored` every position of its prompt is
+        scored against the token after it (`Output.prompt_scores`). One that could never fit
+        the page pool is refused (`NeverFits`, naming the sizes) before anything is queued."""
         rid = self._next_id
         seq = planner.Seq(rid, len(prompt), max_tokens)
         if not planner.fits(seq, self.limits, self.pages.usable_pages):
@@ -90,7 +98,8 @@ class PagedExecutor:
                 f"{-(-seq.max_cached // self.limits.page_size)} pages of "
                 f"{self.limits.page_size} tokens, more than the pool's "
                 f"{self.pages.usable_pages}")
-        self.requests[rid] = Request(list(prompt), max_tokens, stop_ids, params, seq)
+        self.requests[rid] = Request(list(prompt), max_tokens, stop_ids, params, seq,
+                                     scored=scored)
         self.waiting.append(rid)
         self._next_id += 1
         return rid
@@ -183,15 +192,24 @@ class PagedExecutor:
         table = self.pages.table(self.occupant, self.width)
         if plan.slices:
             long, ends, limits, stop, params, prompt_len, resumed = self._long_rows(plan)
-            self.pool, step, first, rest = self.engine.paged_step(
+            targets = self._targets(plan)
+            self.pool, step, first, rest, scores = self.engine.paged_step(
                 self.pool, table, long, ends, limits, stop, params, top_n=self.top_n,
-                n_steps=plan.steps, prompt_len=prompt_len, resumed=resumed)
+                n_steps=plan.steps, prompt_len=prompt_len, resumed=resumed, targets=targets)
             self._book(step)
             for row, piece in enumerate(plan.slices):
                 request = self.requests[piece.seq]
                 self._set(piece.seq, prefilled=request.seq.prefilled + piece.count)
+                if scores is not None and request.scored:
+                    for i in range(piece.count):
+                        if piece.start + i < len(request.prompt) - 1:
+                            request.scores[piece.start + i] = tuple(a[row, i] for a in scores)
                 if piece.ends:
                     self._emit(piece.seq, first, row, None, decoded=False)
+                    if request.scored and request.scores is not None:
+                        self._outputs[piece.seq].prompt_scores = _gathered(request.scores,
+                                                                           scores)
+                        request.scores = None  # sent
                     if not first.active[row]:
                         self._finish(piece.seq)
             if rest is not None:
@@ -227,6 +245,20 @@ class PagedExecutor:
         rows_params = jax.tree.map(lambda *a: np.concatenate(a), *params)
         return long, ends, limits, stop, rows_params, prompt_len, resumed
 
+    def _targets(self, plan: planner.Plan) -> np.ndarray | None:
+        """The token after each position of the plan's slices whose requests score their
+        prompts ([rows, chunk]; past the prompt any id), or None when none does."""
+        pieces = [(row, piece) for row, piece in enumerate(plan.slices)
+                  if self.requests[piece.seq].scored
+                  and self.requests[piece.seq].scores is not None]
+        if not pieces:
+            return None
+        targets = np.zeros((self.limits.rows, self.limits.chunk), np.int32)
+        for row, piece in pieces:
+            after = self.requests[piece.seq].prompt[piece.start + 1:piece.start + piece.count + 1]
+            targets[row, :len(after)] = after
+        return targets
+
     def _emit(self, rid: int, tokens: Tokens, row: int, column: int | None,
               decoded: bool) -> None:
         pick = (lambda a: a[row]) if column is None else (lambda a: a[row, column])
@@ -257,6 +289,14 @@ class PagedExecutor:
         self.occupant[request.seq.slot] = None
         self.free_slots.append(request.seq.slot)
         self._outputs.setdefault(rid, Output(rid, [], False)).done = True
+
+
+def _gathered(scores: dict[int, tuple], call: PromptScores) -> PromptScores:
+    """A prompt's scores by position (0 .. len - 2) as host arrays over its positions; `call`
+    (a call's scores) gives the dtypes and shapes when there are none."""
+    positions = sorted(scores)
+    return PromptScores(*(np.stack([scores[p][k] for p in positions]) if positions
+                          else field[0, :0] for k, field in enumerate(call)))
 
 
 def generate(engine: Engine, prompts: Sequence[Sequence[int]], num_pages: int, page_size: int,

@@ -43,7 +43,9 @@ log = logging.getLogger("k3text.serve")
 
 DEVICE_CALLS = ("new_pool", "new_prefix", "prefill_chunk", "prefill_scored", "prefill_slices",
                 "insert", "insert_prompts", "generate", "decode_and_prefill", "release",
-                "warm_up", "new_store", "restore_prefix", "save_blocks")
+                "warm_up", "new_store", "restore_prefix", "save_blocks",
+                # The paged pool's (`serve_engine: paged`).
+                "new_paged_pool", "paged_step", "paged_generate", "warm_up_paged")
 _STOP = "stop"
 _MIN_MESSAGE = 1 << 12
 
@@ -239,5 +241,5 @@ def follow(engine: Engine, after_warm_up: Callable[[], None] | None = None) -> i
             log.exception("engine call %s failed; following process 0's recovery", method)
             continue
         latest.update(_returned(result))
-        if method == "warm_up" and after_warm_up is not None:
+        if method in ("warm_up", "warm_up_paged") and after_warm_up is not None:
             after_warm_up()

@@ -108,7 +108,8 @@ class PagedScheduler(SchedulerThread):
             self._begin(r)
             row = host_sampling([self._sampling_row(r)], self.cfg.vocab_size)
             try:
-                r.seq = executor.submit(r.prompt_ids, r.params.max_tokens, r.stop_ids, row)
+                r.seq = executor.submit(r.prompt_ids, r.params.max_tokens, r.stop_ids, row,
+                                        scored=r.params.prompt_logprobs is not None)
             except NeverFits as e:  # the API refuses these with a 400 first
                 self._finish(r, "error", f"the request does not fit the page pool: {e}")
                 continue
@@ -123,6 +124,11 @@ class PagedScheduler(SchedulerThread):
             log.error("request %d is inactive on the device", r.id)
             self._end(r, "error", on_device=False, error="internal error: the slot stopped")
             return
+        if output.prompt_scores is not None:  # sent with the first tokens, its top N only
+            top = r.params.prompt_logprobs
+            r.prompt_scores = output.prompt_scores._replace(
+                top_ids=output.prompt_scores.top_ids[:, :top],
+                top_logprobs=output.prompt_scores.top_logprobs[:, :top])
         ids, lps, top_ids, top_lps = zip(*output.tokens, strict=True)
         r.produced += len(ids)
         self._deliver_ids(r, list(ids), list(lps), np.asarray(top_ids), np.asarray(top_lps),

@@ -453,12 +453,7 @@ class Protocol:
                 raise RequestError("'prompt_logprobs' is not available with stream=true",
                                    "prompt_logprobs")
             asked = None  # 0, as vLLM takes it: nothing to score
-        scores = asked if echoed is None else echoed if asked is None else max(asked, echoed)
-        if scores is not None and self.cfg.serve_engine == "paged":
-            raise RequestError("prompt log-probabilities ('prompt_logprobs', or 'echo' with "
-                               "'logprobs') are not served by serve_engine=paged yet",
-                               "prompt_logprobs" if asked is not None else "echo")
-        return scores
+        return asked if echoed is None else echoed if asked is None else max(asked, echoed)
 
     def _logit_bias(self, body: dict) -> tuple[tuple[int, float], ...]:
         """`logit_bias`: {token id (as a JSON key, a string): bias in [-100, 100]}."""
