@@ -717,29 +717,33 @@ class Engine:
     def warm_up_paged(self, slots: int, num_pages: int, page_size: int, rows: int,
                       steps: int, top_n: int = 0) -> float:
         """Compile (or load from the compilation cache) and run once on nothing the programs a
-        paged server runs: `paged_step` with `rows` prefill rows of one chunk beside `slots`
-        decode rows (and its scoring form, for `prompt_logprobs`), and the decode-only
-        `paged_generate`, all of `steps` steps (no slot is active: their loops stop at once),
-        each with a progress line. Returns the seconds it took."""
+        paged server runs: `paged_step` with `rows` prefill rows beside `slots` decode rows, at
+        each of `prefill_buckets` and a whole chunk (and its scoring form, a whole chunk, for
+        `prompt_logprobs`), and the decode-only `paged_generate`, all of `steps` steps (no
+        slot is active: their loops stop at once), each with a progress line. Returns the
+        seconds it took."""
         cfg = self.cfg
         t0 = time.perf_counter()
         pool = self.new_paged_pool(slots, num_pages, page_size)
         width = -(-cache_length(cfg) // page_size)
         table = np.zeros((slots, width), np.int32)
-        padding = (np.zeros((rows, cfg.prefill_chunk_size), np.int32),
-                   np.full(rows, -1, np.int32), np.zeros(rows, np.int32),
-                   np.zeros(rows, np.int32), np.zeros((rows, width), np.int32))
 
-        def step(pool: Pool, **scored: Any) -> Pool:
+        def step(pool: Pool, tokens: int, scored: bool = False) -> Pool:
+            padding = (np.zeros((rows, tokens), np.int32), np.full(rows, -1, np.int32),
+                       np.zeros(rows, np.int32), np.zeros(rows, np.int32),
+                       np.zeros((rows, width), np.int32))
             return self.paged_step(pool, table, padding, np.zeros(rows, bool), [1] * rows,
                                    np.tile(self.stop_ids(), (rows, 1)),
                                    sampling.config_sampling(cfg, rows), top_n, steps,
-                                   **scored)[0]
+                                   targets=padding[0] if scored else None)[0]
 
+        chunk = cfg.prefill_chunk_size
         programs = (
-            ("the step (decode rows beside prefill slices)", step),
+            *((f"the step (decode rows beside prefill slices of {tokens} tokens)",
+               lambda pool, tokens=tokens: step(pool, tokens))
+              for tokens in (*self.buckets, chunk)),
             ("the step scoring its prompts' positions (prompt_logprobs)",
-             lambda pool: step(pool, targets=padding[0])),
+             lambda pool: step(pool, chunk, scored=True)),
             ("the decode-only loop", lambda pool: self.paged_generate(pool, table, steps,
                                                                       top_n)[0]))
         for i, (name, run) in enumerate(programs, 1):

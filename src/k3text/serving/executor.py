@@ -191,8 +191,9 @@ class PagedExecutor:
         self._outputs = {}
         table = self.pages.table(self.occupant, self.width)
         if plan.slices:
-            long, ends, limits, stop, params, prompt_len, resumed = self._long_rows(plan)
             targets = self._targets(plan)
+            long, ends, limits, stop, params, prompt_len, resumed = self._long_rows(
+                plan, self._width(plan, targets is not None))
             self.pool, step, first, rest, scores = self.engine.paged_step(
                 self.pool, table, long, ends, limits, stop, params, top_n=self.top_n,
                 n_steps=plan.steps, prompt_len=prompt_len, resumed=resumed, targets=targets)
@@ -220,9 +221,16 @@ class PagedExecutor:
             self._book(rest)
         return plan, list(self._outputs.values())
 
-    def _long_rows(self, plan: planner.Plan) -> tuple:
-        """`Engine.paged_step`'s long-row arguments for the plan's slices."""
-        rows, chunk = self.limits.rows, self.limits.chunk
+    def _width(self, plan: planner.Plan, scored: bool) -> int:
+        """The long rows' width for the plan's slices: the narrowest of `prefill_buckets` that
+        holds the longest slice, else a whole chunk (so a short prompt does not pay for a
+        chunk of padding); a whole chunk when any slice is scored (one scoring program)."""
+        longest = max(piece.count for piece in plan.slices)
+        return self.limits.chunk if scored else self.engine.chunk_width(longest)
+
+    def _long_rows(self, plan: planner.Plan, width: int) -> tuple:
+        """`Engine.paged_step`'s long-row arguments for the plan's slices, `width` wide."""
+        rows, chunk = self.limits.rows, width
         tokens = np.zeros((rows, chunk), np.int32)
         slot, start, count = (np.full(rows, -1, np.int32), np.zeros(rows, np.int32),
                               np.zeros(rows, np.int32))
