@@ -2744,7 +2744,7 @@ def test_the_paged_server_under_random_load(shipped):
     _, prompts, reference = shipped
     server = Server(CPU, *SHIPPED, *PAGED)
     try:
-        run_load(server, prompts, reference, 40, "k3-small", seed=3)
+        run_load(server, prompts, reference, 24, "k3-small", seed=3)
         assert server.metrics()["k3text_pages_used"] == 0
         assert not [line for line in server.lines if "Traceback" in line]
     finally:
