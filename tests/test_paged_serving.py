@@ -8,6 +8,7 @@ import concurrent.futures
 import dataclasses
 import re
 import threading
+import time
 
 import httpx
 import jax
@@ -288,3 +289,30 @@ def test_64_concurrent_requests_through_a_pool_of_8_sequences_equal_their_solo_d
         tops = [[lp for _, lp in top] for top in record["output_top_logprobs"][:n]]
         assert_same_greedy([ids], [record["output_ids"][:n]], [tops], [lps],
                            [record["output_logprobs"][:n]], where=f"request {i}: ")
+
+
+def test_a_cancel_with_nothing_else_running_leaves_the_gauges_at_zero():
+    """The last running request cancelled mid-decode: its slot and pages are freed, and the
+    gauges /metrics shows say so (nothing else runs to refresh them)."""
+    cfg = _config("ignore_eos=true")
+    scheduler = PagedScheduler(cfg, engine_for(cfg, seed=3), None)
+    first, done = threading.Event(), threading.Event()
+
+    def sink(event):
+        (done if isinstance(event, Finished) else first).set()
+
+    scheduler.start()
+    try:
+        job = Request([5, 6, 7], SamplingParams(max_tokens=40, temperature=0.0), sink)
+        scheduler.submit(job)
+        assert first.wait(600)
+        scheduler.cancel(job)
+        assert done.wait(600)
+        metrics = scheduler.metrics
+        deadline = time.monotonic() + 30
+        while metrics.slots_used._value.get() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [metrics.running._value.get(), metrics.slots_used._value.get(),
+                metrics.pages_used._value.get()] == [0, 0, 0]
+    finally:
+        scheduler.stop()

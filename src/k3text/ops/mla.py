@@ -132,6 +132,13 @@ def _merge(scores: jax.Array, latents: jax.Array, seq_axes: tuple[str, ...], sca
     partial = jnp.einsum("b...s,bsc->b...c", weights.astype(dtype), latents,
                          precision=precision, preferred_element_type=FP32)
     sums = jnp.concatenate([partial, jnp.sum(weights, axis=-1, keepdims=True)], axis=-1)
+    return _summed(sums, seq_axes, scatter)
+
+
+def _summed(sums: jax.Array, seq_axes: tuple[str, ...], scatter: bool) -> jax.Array:
+    """Every device's latent sums with their normaliser last, [B, ..., H, C + 1], all on one
+    scale, summed over `seq_axes` (reduce-scattered over the heads when `scatter`) and
+    normalised."""
     if scatter:
         merged = jax.lax.psum_scatter(sums, seq_axes, scatter_dimension=sums.ndim - 2,
                                       tiled=True)
@@ -160,13 +167,7 @@ def _combine(peak: jax.Array, partial: jax.Array, total: jax.Array,
     top = jax.lax.pmax(peak, seq_axes)
     rescale = jnp.exp(jnp.where(jnp.isfinite(peak), peak - top, -jnp.inf))[..., None]
     sums = jnp.concatenate([partial, total], axis=-1) * rescale
-    if scatter:
-        merged = jax.lax.psum_scatter(sums, seq_axes, scatter_dimension=sums.ndim - 2,
-                                      tiled=True)
-    else:
-        merged = jax.lax.psum(sums, seq_axes)
-    total = merged[..., -1:]
-    return merged[..., :-1] / jnp.where(total > 0, total, 1.0)
+    return _summed(sums, seq_axes, scatter)
 
 
 # ---- the paged cache -------------------------------------------------------------------------

@@ -80,7 +80,6 @@ class PagedExecutor:
         self._outputs: dict[int, Output] = {}  # the call being booked
         self._next_id = 0  # ids in arrival order
         self.preemptions = 0
-        self.calls = 0
         self.steps_run = 0  # decode steps the device ran, over every call
 
     # ---- requests -------------------------------------------------------------------------
@@ -107,12 +106,6 @@ class PagedExecutor:
     @property
     def busy(self) -> bool:
         return bool(self.waiting) or any(r is not None for r in self.occupant)
-
-    @property
-    def max_tokens_alone(self) -> int:
-        """The most positions (prompt + max_tokens) one request may ask for: what the pool
-        holds for a sequence alone (its last token is never cached)."""
-        return self.pages.usable_pages * self.limits.page_size + 1
 
     def abort(self, rid: int) -> None:
         """End request `rid` now (cancelled, or stopped by the host): it leaves the queue, or
@@ -187,7 +180,6 @@ class PagedExecutor:
                 raise RuntimeError(f"the planner left {len(self.waiting)} waiting requests "
                                    f"with nothing running: {self._queue()}")
             return plan, []
-        self.calls += 1
         self._outputs = {}
         table = self.pages.table(self.occupant, self.width)
         if plan.slices:

@@ -71,7 +71,8 @@ class PagedScheduler(SchedulerThread):
     def iterate(self) -> None:
         self._drop_cancelled()
         self._take_waiting()
-        if not self._running:
+        if not self._running:  # what was cancelled has left: the gauges say so
+            self._update_gauges()
             return
         executor = self.executor
         began = time.perf_counter()
